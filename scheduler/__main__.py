@@ -1,0 +1,5 @@
+"""``python -m scheduler`` is ``schedule-lineage``."""
+
+from scheduler.cli import main
+
+main()

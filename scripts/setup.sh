@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian host for the Ouroboros fleet: system packages it lacks,
+# then a virtual environment with the package and its test dependencies.
+# Safe to run again: every step checks before it acts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates)
+if [ "${OUROBOROS_SETUP_BROWSER:-1}" = 1 ]; then
+  packages+=(chromium)
+fi
+missing=()
+for pkg in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing ${missing[*]}" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+echo "setup: ready (.venv)" >&2

@@ -1,0 +1,147 @@
+"""Shared fixtures: observation stores, and a real S3 endpoint for the test session.
+
+S3 is moto's standalone server in a subprocess, spoken to over HTTP by the real
+boto3 stack: nothing in this process is patched, so signing, addressing, retries
+and the ``If-None-Match`` write-once path are exercised as against MinIO or AWS.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from worker.settings import Settings
+from worker.store import ObservationStore, open_store
+
+S3_REGION = "us-east-1"
+MOTO_START_SECONDS = 30
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def aws_test_credentials() -> Iterator[tuple[str, str]]:
+    """Dummy AWS credentials in os.environ for the session; yields (key id, secret).
+
+    The store takes credentials only from the standard AWS chain, as in production,
+    so the tests put them where that chain looks. pytest's monkeypatch is per test
+    and cannot serve a session fixture, so os.environ is set here and restored at
+    the end. Host profiles and config files are hidden so that nothing on this
+    machine (a real key, a default addressing style) leaks into the tests.
+    """
+    values = {
+        "AWS_ACCESS_KEY_ID": "ouroboros-test-key-id",
+        "AWS_SECRET_ACCESS_KEY": "ouroboros-test-secret",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    cleared = ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL")
+    saved = {name: os.environ.get(name) for name in (*values, *cleared)}
+    os.environ.update(values)
+    for name in cleared:
+        os.environ.pop(name, None)
+    try:
+        yield values["AWS_ACCESS_KEY_ID"], values["AWS_SECRET_ACCESS_KEY"]
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(
+    aws_test_credentials: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """URL of a moto S3 server running as a subprocess for the whole session."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_until_answering(url, server, log_path)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _wait_until_answering(url: str, server: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + MOTO_START_SECONDS
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"moto_server exited with {server.returncode}:\n{log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/moto-api/", timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # any HTTP answer means it serves
+        except OSError:
+            time.sleep(0.1)
+    pytest.fail(f"moto_server did not answer on {url} within {MOTO_START_SECONDS} s")
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """Name of a fresh, empty bucket on the session's S3 endpoint."""
+    name = f"obs-{uuid.uuid4().hex[:16]}"
+    client = boto3.session.Session().client("s3", endpoint_url=s3_endpoint, region_name=S3_REGION)
+    client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_settings(s3_endpoint: str, s3_bucket: str, tmp_path: Path) -> Settings:
+    """Settings whose observation store is ``s3://<fresh bucket>/prefix`` on moto."""
+    return Settings(
+        home=tmp_path,
+        observations=f"s3://{s3_bucket}/prefix",
+        s3_endpoint_url=s3_endpoint,
+        s3_region=S3_REGION,
+    )
+
+
+@pytest.fixture
+def s3_store(s3_settings: Settings) -> ObservationStore:
+    """An S3 observation store on a fresh bucket."""
+    return open_store(s3_settings.observations_url, s3_settings)
+
+
+@pytest.fixture
+def file_store(tmp_path: Path) -> ObservationStore:
+    """A file observation store in a directory that does not exist yet."""
+    settings = Settings(home=tmp_path)
+    return open_store(settings.observations_url, settings)
+
+
+@pytest.fixture(params=["file", "s3"])
+def observation_store(request: pytest.FixtureRequest) -> ObservationStore:
+    """Each store kind in turn: tests using it run once per backend."""
+    store: ObservationStore = request.getfixturevalue(f"{request.param}_store")
+    return store

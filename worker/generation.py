@@ -1,0 +1,412 @@
+"""One generation, end to end: the trusted path from a job to a commit plus observation.
+
+Owns the generation contract of DESIGN.md: fetch, validate the lineage root,
+number the generation, prepare the private kernel directory, serve the model
+syscall, run the life under the resource ceiling, classify the outcome, publish
+through the trusted decoder, push with compare-and-swap and record the
+observation through the spool. The Celery task and ``schedule-lineage run --local``
+both call ``Pipeline.run``; nothing else writes to a lineage.
+
+Trusts: the instrument it was built with, its settings, the shared repository and
+the observation store. Trusts nothing the organism produced: the result archive
+goes through the decoder, stderr and model traffic are carried as capped data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import socket
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker import journal
+from worker.broker import GenerationContext, ModelBroker, capabilities, make_provider
+from worker.ceilings import Ceiling
+from worker.decoder import KERNEL_OWNED, DecodeLimits, DecoderRejection, decode_archive
+from worker.errors import Refusal, StaleJob
+from worker.gitrepo import Entry, LineageCache
+from worker.instrument import Instrument
+from worker.lineage import (
+    JOURNAL_PATH,
+    ORGANISM_PATH,
+    LineageMetadata,
+    check_continuable,
+    check_name,
+    root_metadata,
+)
+from worker.observation import (
+    IndexEntry,
+    LineageIndex,
+    Observation,
+    Outcome,
+    Provenance,
+    cap_stderr,
+    generation_key,
+    index_key,
+)
+from worker.physics import Physics
+from worker.sandbox import SandboxResult, resolve_emacs, run_sandbox
+from worker.settings import Settings
+from worker.spool import Publication, Spool
+from worker.store import ObservationStore, StoreUnavailable
+
+HEX_COMMIT = r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$"
+
+
+class GenerationJob(BaseModel):
+    """The job message: which lineage, which commit it must extend, which model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lineage: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    expected_commit: str = Field(pattern=HEX_COMMIT)
+    provider: str = Field(min_length=1, max_length=64)
+    model: str | None = Field(None, max_length=200)
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,80}$")
+    enqueued_at: datetime | None = None
+
+
+class GenerationReport(BaseModel):
+    """What happened, for the caller (scheduler, CLI): never the source of truth."""
+
+    lineage: str
+    generation: int
+    outcome: Outcome
+    parent: str
+    commit: str
+    spent_usd: Decimal
+    observation_stored: bool
+
+
+class Pipeline:
+    """The per-process generation machinery; build once, run many jobs."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        instrument: Instrument,
+        instrument_commit: str,
+        ceiling: Ceiling,
+        store: ObservationStore,
+        cache: LineageCache,
+    ) -> None:
+        self.settings = settings
+        self.instrument = instrument
+        self.instrument_commit = instrument_commit
+        self.ceiling = ceiling
+        self.store = store
+        self.cache = cache
+        self.spool = Spool(settings.state_path / "spool")
+        self.emacs = resolve_emacs()
+        self.host = socket.gethostname()
+        self.bwrap_version = _first_line(["bwrap", "--version"])
+        self.emacs_version = _first_line([str(self.emacs), "--version"])
+
+    def head(self, lineage: str) -> str:
+        """The lineage's current head on the shared repository (fetching it)."""
+        check_name(lineage)
+        head = self.cache.fetch(lineage)
+        if head is None:
+            raise Refusal(f"no lineage named {lineage}; create it with schedule-lineage init")
+        return head
+
+    def run(
+        self,
+        job: GenerationJob,
+        *,
+        task_id: str | None = None,
+        attempt: int = 1,
+    ) -> GenerationReport:
+        """Run one generation of ``job.lineage`` on top of ``job.expected_commit``."""
+        self.drain(job.lineage)
+        parent = self.head(job.lineage)
+        if parent != job.expected_commit:
+            raise StaleJob(
+                f"{job.lineage} is at {parent[:12]}, not {job.expected_commit[:12]}; re-plan"
+            )
+        meta = root_metadata(self.cache, parent, job.lineage)
+        check_continuable(meta, self.instrument, self.instrument_commit)
+        generation = 1 + sum(s.startswith("gen ") for s in self.cache.subjects(parent))
+        provider = make_provider(job.provider, job.model, self.settings)
+        tree = self.cache.tree(parent)
+        blobs = self.cache.cat_blobs(entry.sha for entry in tree.values())
+        physics = meta.physics
+        source = blobs.get(tree[ORGANISM_PATH].sha, b"") if ORGANISM_PATH in tree else b""
+        context = GenerationContext(
+            lineage=job.lineage,
+            generation=generation,
+            organism_source=source.decode("utf-8", errors="replace"),
+        )
+        started = datetime.now(UTC)
+        label = f"{job.lineage}-{generation}-{hashlib.sha256(parent.encode()).hexdigest()[:8]}"
+        with self._kernel_dir(meta, generation, parent, tree, blobs) as kernel:
+            with ModelBroker(kernel / "model.sock", provider, physics, context) as broker:
+                result = run_sandbox(kernel, physics, self.ceiling, label, self.emacs)
+            calls, spent = list(broker.calls), broker.spent_usd
+        finished = datetime.now(UTC)
+        with tempfile.TemporaryDirectory(prefix="ouro-publish-") as scratch:
+            outcome, rejection, entries, summary, published = self._publish_tree(
+                result, physics, Path(scratch), parent, tree
+            )
+        exit_code = _shell_status(result)
+        journal_bytes = blobs.get(tree[JOURNAL_PATH].sha, b"") if JOURNAL_PATH in tree else b""
+        stderr_text, truncated = cap_stderr(result.stderr)
+        if outcome == "changed":
+            subject = journal.subject_changed(generation, summary)
+            entry = journal.entry_changed(generation, summary, finished)
+        elif outcome == "no-change":
+            subject = journal.subject_no_change(generation)
+            entry = journal.entry_no_change(generation, finished)
+        else:
+            subject = journal.subject_died(generation, exit_code)
+            entry = journal.entry_died(generation, exit_code, stderr_text, finished)
+        entries[JOURNAL_PATH] = Entry(
+            "100644", self.cache.hash_bytes(journal.append(journal_bytes, entry))
+        )
+        commit = self.cache.commit(parent, entries, subject)
+        observation = Observation(
+            lineage=job.lineage,
+            generation=generation,
+            parent_commit=parent,
+            lineage_commit=commit,
+            started_at=started,
+            finished_at=finished,
+            duration_seconds=result.duration_seconds,
+            outcome=outcome,
+            rejection_reason=rejection,
+            exit_status=result.exit_status,
+            signal=result.signal,
+            driver_result=result.figures.result,
+            cpu_usage_nsec=result.figures.cpu_usage_nsec,
+            memory_peak_bytes=result.figures.memory_peak_bytes,
+            oom_kills=result.figures.oom_kills,
+            figure_sources=result.figures.sources,
+            archive_bytes=result.archive_bytes,
+            published_bytes=published[0],
+            published_files=published[1],
+            provider=provider.name,
+            model=provider.model,
+            constraints=physics,
+            model_calls=calls,
+            spent_usd=spent,
+            stderr=stderr_text,
+            stderr_truncated=truncated,
+            run_id=job.run_id,
+            provenance=Provenance(
+                worker_host=self.host,
+                fleet_version=self.instrument.version,
+                instrument_fingerprint=self.instrument.fingerprint,
+                ceiling_driver=self.ceiling.name,
+                bwrap_version=self.bwrap_version,
+                emacs_version=self.emacs_version,
+                task_id=task_id,
+                attempt=attempt,
+                queue_wait_seconds=(
+                    (started - job.enqueued_at).total_seconds() if job.enqueued_at else None
+                ),
+            ),
+        )
+        publication = Publication(
+            lineage=job.lineage,
+            generation=generation,
+            parent=parent,
+            commit=commit,
+            stage="push",
+            observation_key=generation_key(job.lineage, generation),
+            observation=observation.model_dump_json(by_alias=True, indent=2),
+        )
+        self.spool.save(publication)
+        stored = self._finish(publication)
+        return GenerationReport(
+            lineage=job.lineage,
+            generation=generation,
+            outcome=outcome,
+            parent=parent,
+            commit=commit,
+            spent_usd=spent,
+            observation_stored=stored,
+        )
+
+    def drain(self, lineage: str | None = None) -> int:
+        """Finish every pending publication (of one lineage); how many remain pending."""
+        remaining = 0
+        for publication in self.spool.pending(lineage):
+            try:
+                if not self._finish(publication):
+                    remaining += 1
+            except StaleJob:
+                continue
+        return remaining
+
+    def _finish(self, publication: Publication) -> bool:
+        """Push (compare-and-swap) then store the observation; True once both landed."""
+        if publication.stage == "push":
+            landed = self.cache.push_cas(
+                publication.lineage, publication.commit, publication.parent
+            ) or self.cache.branch_contains(publication.lineage, publication.commit)
+            if not landed:
+                # Lost the race: this result is speculative and is never published.
+                self.spool.remove(publication)
+                raise StaleJob(
+                    f"{publication.lineage} moved while generation "
+                    f"{publication.generation} ran; its result is discarded"
+                )
+            publication = publication.model_copy(update={"stage": "observe"})
+            self.spool.save(publication)
+        try:
+            self.store.put_once(publication.observation_key, publication.observation.encode())
+            self._index(Observation.model_validate_json(publication.observation))
+        except StoreUnavailable:
+            return False
+        self.spool.remove(publication)
+        return True
+
+    def _index(self, observation: Observation) -> None:
+        """Add the observation's summary to the lineage's index object."""
+        key = index_key(observation.lineage)
+        raw = self.store.get(key)
+        index = (
+            LineageIndex.model_validate_json(raw)
+            if raw
+            else LineageIndex(lineage=observation.lineage)
+        )
+        self.store.put(key, index.with_entry(IndexEntry.of(observation)).model_dump_json().encode())
+
+    def _publish_tree(
+        self,
+        result: SandboxResult,
+        physics: Physics,
+        scratch: Path,
+        parent: str,
+        tree: Mapping[str, Entry],
+    ) -> tuple[Outcome, str | None, dict[str, Entry], str, tuple[int, int]]:
+        """Outcome, rejection reason, the new tree (journal still to add), summary, sizes."""
+        kept = {path: entry for path, entry in tree.items() if path in KERNEL_OWNED}
+        death = result.death()
+        rejection = "result archive exceeds the cap" if death == "decoder_rejection" else None
+        decoded = None
+        if death is None:
+            if result.archive is None:
+                raise RuntimeError("sandbox reported success without an archive")
+            try:
+                decoded = decode_archive(
+                    result.archive, scratch / "tree", DecodeLimits.from_physics(physics)
+                )
+            except DecoderRejection as exc:
+                death, rejection = "decoder_rejection", str(exc)
+        if death is not None or decoded is None:
+            entries = {p: e for p, e in tree.items() if p != JOURNAL_PATH}
+            previous = self.cache.body_before(parent, ORGANISM_PATH, journal.DEATH_SUBJECT)
+            if previous is not None and ORGANISM_PATH in entries:
+                entries[ORGANISM_PATH] = Entry(
+                    entries[ORGANISM_PATH].mode, self.cache.hash_bytes(previous)
+                )
+            return death or "decoder_rejection", rejection, entries, "", (0, 0)
+        files = [e for e in decoded if e.kind == "file"]
+        shas = self.cache.hash_files([scratch / "tree" / e.path for e in files])
+        made: dict[str, Entry] = {
+            e.path: Entry("100755" if e.executable else "100644", sha)
+            for e, sha in zip(files, shas, strict=True)
+        }
+        for e in decoded:
+            if e.kind == "symlink":
+                made[e.path] = Entry("120000", self.cache.hash_bytes(e.target.encode()))
+        before = {p: e for p, e in tree.items() if p not in KERNEL_OWNED}
+        changed = sorted(p for p in before.keys() | made.keys() if before.get(p) != made.get(p))
+        sizes = (sum(e.size for e in files), len(decoded))
+        entries = {**made, **{p: e for p, e in kept.items() if p != JOURNAL_PATH}}
+        if not changed:
+            return "no-change", None, entries, "", sizes
+        delta = None
+        if ORGANISM_PATH in changed:
+            old, new = before.get(ORGANISM_PATH), made.get(ORGANISM_PATH)
+            delta = self.cache.numstat(old.sha if old else None, new.sha if new else None)
+        summary = journal.changed_summary(delta, len(changed))
+        return "changed", None, entries, summary, sizes
+
+    @contextmanager
+    def _kernel_dir(
+        self,
+        meta: LineageMetadata,
+        generation: int,
+        parent: str,
+        tree: Mapping[str, Entry],
+        blobs: Mapping[str, bytes],
+    ) -> Iterator[Path]:
+        # Under the system temp dir, not the state dir: a Unix socket path must stay short.
+        kernel = Path(tempfile.mkdtemp(prefix="ouro-k-"))
+        try:
+            kernel.chmod(0o755)
+            (kernel / "base.tar").write_bytes(_base_tar(tree, blobs))
+            journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
+            (kernel / "journal.md").write_bytes(blobs.get(journal_sha, b"") if journal_sha else b"")
+            (kernel / "lineage.json").write_text(
+                json.dumps(
+                    {
+                        "name": meta.name,
+                        "generation": generation,
+                        "parent_commit": parent,
+                        "created_at": meta.created_at.isoformat(),
+                        "seed_sha256": meta.seed_sha256,
+                    },
+                    indent=2,
+                )
+            )
+            (kernel / "capabilities.json").write_text(
+                json.dumps(capabilities(meta.physics), indent=2, default=str)
+            )
+            for name, data in self.instrument.scripts.items():
+                (kernel / name).write_bytes(data)
+            for path in kernel.iterdir():
+                path.chmod(0o644)
+            yield kernel
+        finally:
+            shutil.rmtree(kernel, ignore_errors=True)
+
+
+def _base_tar(tree: Mapping[str, Entry], blobs: Mapping[str, bytes]) -> bytes:
+    """The committed tree minus kernel-owned files, as a tar built here (no git attributes)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for path, entry in sorted(tree.items()):
+            if path in KERNEL_OWNED:
+                continue
+            info = tarfile.TarInfo(path)
+            data = blobs[entry.sha]
+            if entry.mode == "120000":
+                info.type = tarfile.SYMTYPE
+                info.linkname = data.decode("utf-8", errors="surrogateescape")
+            elif entry.mode in ("100644", "100755"):
+                info.size = len(data)
+                info.mode = 0o755 if entry.mode == "100755" else 0o644
+            else:
+                continue
+            archive.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    return buffer.getvalue()
+
+
+def _shell_status(result: SandboxResult) -> int:
+    """Exit status as a shell reports it: 128+N for a death by signal N."""
+    if result.exit_status is not None:
+        return result.exit_status
+    return 128 + (result.signal or 9)
+
+
+def _first_line(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "unknown"
+    return out.splitlines()[0].strip() if out else "unknown"

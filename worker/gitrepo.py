@@ -1,0 +1,289 @@
+"""Git plumbing for lineages: the worker's local cache and the shared bare repository.
+
+Owns every git command the worker runs: creating the shared bare repository,
+incremental fetches of one lineage branch into the local cache, reading blobs and
+trees, writing blobs and commits without a work tree, and the compare-and-swap push
+(``--force-with-lease`` with an explicit expected value, verified again by the
+receiving side's ref transaction). Commits are built with a private index from
+(mode, blob) pairs, so no ``.gitignore``, ``.gitattributes``, filter, hook or
+external diff helper of the lineage's content can influence what is recorded.
+
+Trusts: the git binary and the configured remote. Treats every path and byte of
+lineage content as data.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+from worker.errors import Refusal
+
+BRANCH_PREFIX = "lineage-"
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "ouroboros",
+    "GIT_AUTHOR_EMAIL": "ouroboros@localhost",
+    "GIT_COMMITTER_NAME": "ouroboros",
+    "GIT_COMMITTER_EMAIL": "ouroboros@localhost",
+}
+# Only what git and ssh need travels into git's environment: never a provider key.
+_PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "GIT_SSH_COMMAND", "TMPDIR")
+_SAFE_CONFIG = (
+    "core.hooksPath=/dev/null",
+    "core.attributesFile=/dev/null",
+    "core.excludesFile=/dev/null",
+    "diff.external=",
+    "core.autocrlf=false",
+    "gc.auto=0",
+    "maintenance.auto=false",
+    # Objects and refs reach the disk before a spool entry says they exist.
+    "core.fsync=committed",
+)
+
+
+class GitError(RuntimeError):
+    """A git command failed for a reason other than a lost compare-and-swap."""
+
+
+class Entry(NamedTuple):
+    mode: str
+    sha: str
+
+
+def branch_ref(lineage: str) -> str:
+    return f"refs/heads/{BRANCH_PREFIX}{lineage}"
+
+
+def git_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {name: os.environ[name] for name in _PASSED_ENV if name in os.environ}
+    env.update({"LC_ALL": "C", "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1"})
+    env.update(extra or {})
+    return env
+
+
+def run_git(
+    git_dir: Path,
+    *args: str,
+    input: bytes | None = None,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[bytes]:
+    config = [item for pair in _SAFE_CONFIG for item in ("-c", pair)]
+    result = subprocess.run(
+        ["git", *config, f"--git-dir={git_dir}", *args],
+        input=input,
+        capture_output=True,
+        env=git_env(env),
+    )
+    if check and result.returncode != 0:
+        raise GitError(
+            f"git {args[0]} failed ({result.returncode}): "
+            f"{result.stderr.decode(errors='replace').strip()[-500:]}"
+        )
+    return result
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> Path:
+    return Path(url.removeprefix("file://"))
+
+
+def ensure_shared_repo(url: str) -> None:
+    """Create the shared bare repository if it is a local path that does not exist yet."""
+    if not is_local(url):
+        return
+    path = local_path(url)
+    if (path / "HEAD").exists():
+        return
+    if path.exists() and any(path.iterdir()):
+        raise Refusal(
+            f"{path} exists but is not a bare git repository; "
+            "point OUROBOROS_LINEAGE_REPO elsewhere"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    run_git(path, "init", "--bare", "--quiet")
+
+
+class LineageCache:
+    """The worker's local bare cache of the shared repository."""
+
+    def __init__(self, cache_dir: Path, remote_url: str) -> None:
+        self.git_dir = cache_dir
+        self.remote_url = remote_url
+        if not (cache_dir / "HEAD").exists():
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            self.git("init", "--bare", "--quiet")
+
+    def git(self, *args: str, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+        return run_git(self.git_dir, *args, **kwargs)  # type: ignore[arg-type]
+
+    def tracking_ref(self, lineage: str) -> str:
+        return f"refs/remotes/shared/{BRANCH_PREFIX}{lineage}"
+
+    def fetch(self, lineage: str) -> str | None:
+        """Fetch one lineage branch (only new objects travel); its head, or None if absent."""
+        ref = branch_ref(lineage)
+        listing = self.git("ls-remote", self.remote_url, ref).stdout.decode().split()
+        if not listing:
+            return None
+        self.git(
+            "fetch", "--quiet", "--no-tags", self.remote_url, f"+{ref}:{self.tracking_ref(lineage)}"
+        )
+        return self.rev(self.tracking_ref(lineage))
+
+    def rev(self, name: str) -> str:
+        return (
+            self.git("rev-parse", "--verify", "--quiet", f"{name}^{{commit}}")
+            .stdout.decode()
+            .strip()
+        )
+
+    def read_blob(self, commit: str, path: str) -> bytes | None:
+        result = self.git("cat-file", "blob", f"{commit}:{path}", check=False)
+        return result.stdout if result.returncode == 0 else None
+
+    def tree(self, commit: str) -> dict[str, Entry]:
+        """Every blob of a commit's tree, recursively: path -> (mode, sha)."""
+        out = self.git("ls-tree", "-r", "-z", "--full-tree", commit).stdout
+        entries: dict[str, Entry] = {}
+        for record in out.split(b"\0"):
+            if not record:
+                continue
+            meta, _, path = record.partition(b"\t")
+            mode, _kind, sha = meta.decode().split()
+            entries[path.decode("utf-8", errors="surrogateescape")] = Entry(mode, sha)
+        return entries
+
+    def cat_blobs(self, shas: Iterable[str]) -> dict[str, bytes]:
+        """Contents of many blobs through one ``cat-file --batch`` process."""
+        wanted = list(dict.fromkeys(shas))
+        if not wanted:
+            return {}
+        out = self.git(
+            "cat-file", "--batch", input="".join(f"{s}\n" for s in wanted).encode()
+        ).stdout
+        blobs: dict[str, bytes] = {}
+        pos = 0
+        for sha in wanted:
+            header_end = out.index(b"\n", pos)
+            size = int(out[pos:header_end].split()[2])
+            blobs[sha] = out[header_end + 1 : header_end + 1 + size]
+            pos = header_end + 1 + size + 1
+        return blobs
+
+    def subjects(self, commit: str) -> list[str]:
+        return self.git("log", "--format=%s", commit).stdout.decode(errors="replace").splitlines()
+
+    def body_before(self, commit: str, path: str, rollback_subject: str) -> bytes | None:
+        """The body ``path`` had before the last change to it that was not a rollback.
+
+        Rollback commits (subjects matching ``rollback_subject``) are skipped so that a
+        death after a rollback never restores the body that died before it.
+        """
+        introduced = (
+            self.git(
+                "log",
+                "-n",
+                "1",
+                "--format=%H",
+                "--invert-grep",
+                "-E",
+                f"--grep={rollback_subject}",
+                commit,
+                "--",
+                path,
+            )
+            .stdout.decode()
+            .strip()
+        )
+        if not introduced:
+            return None
+        parent = self.git("rev-parse", "--verify", "--quiet", f"{introduced}^", check=False)
+        if parent.returncode != 0:
+            return None
+        return self.read_blob(parent.stdout.decode().strip(), path)
+
+    def hash_bytes(self, data: bytes) -> str:
+        return (
+            self.git("hash-object", "-w", "--no-filters", "--stdin", input=data)
+            .stdout.decode()
+            .strip()
+        )
+
+    def hash_files(self, paths: list[Path]) -> list[str]:
+        if not paths:
+            return []
+        listing = "".join(f"{p}\n" for p in paths).encode()
+        out = self.git("hash-object", "-w", "--no-filters", "--stdin-paths", input=listing).stdout
+        return out.decode().split()
+
+    def numstat(self, old_sha: str | None, new_sha: str | None) -> tuple[int, int]:
+        """Lines added and deleted between two blobs (git's own counting, no helpers)."""
+        empty = self.hash_bytes(b"")
+        out = (
+            self.git(
+                "diff",
+                "--numstat",
+                "--no-ext-diff",
+                "--no-textconv",
+                old_sha or empty,
+                new_sha or empty,
+            )
+            .stdout.decode()
+            .split()
+        )
+        if not out or out[0] == "-":
+            return 0, 0
+        return int(out[0]), int(out[1])
+
+    def commit(self, parent: str | None, entries: Mapping[str, Entry], message: str) -> str:
+        """Write a commit whose tree is exactly ``entries`` (private index, no work tree)."""
+        with tempfile.TemporaryDirectory(prefix="ouro-index-") as scratch:
+            index_env = {"GIT_INDEX_FILE": str(Path(scratch) / "index")}
+            info = b"".join(
+                f"{entry.mode} {entry.sha}\t".encode()
+                + path.encode("utf-8", errors="surrogateescape")
+                + b"\0"
+                for path, entry in sorted(entries.items())
+            )
+            self.git("update-index", "-z", "--index-info", input=info, env=index_env)
+            tree = self.git("write-tree", env=index_env).stdout.decode().strip()
+        args = ["commit-tree", tree, "-m", message]
+        if parent:
+            args[2:2] = ["-p", parent]
+        return self.git(*args, env=IDENTITY).stdout.decode().strip()
+
+    def push_cas(self, lineage: str, new: str, expected: str | None) -> bool:
+        """Move the shared branch to ``new`` only if it is still at ``expected`` (None: absent)."""
+        ref = branch_ref(lineage)
+        result = self.git(
+            "push",
+            "--porcelain",
+            "--quiet",
+            f"--force-with-lease={ref}:{expected or ''}",
+            self.remote_url,
+            f"{new}:{ref}",
+            check=False,
+        )
+        output = result.stdout.decode(errors="replace") + result.stderr.decode(errors="replace")
+        if result.returncode == 0:
+            self.git("update-ref", self.tracking_ref(lineage), new)
+            return True
+        if "[rejected]" in output or "[remote rejected]" in output or "stale info" in output:
+            return False
+        raise GitError(f"push of {ref} failed: {output.strip()[-500:]}")
+
+    def branch_contains(self, lineage: str, commit: str) -> bool:
+        """Whether ``commit`` is on the shared branch (after a fresh fetch)."""
+        head = self.fetch(lineage)
+        if head is None:
+            return False
+        result = self.git("merge-base", "--is-ancestor", commit, head, check=False)
+        return result.returncode == 0

@@ -1,0 +1,1 @@
+../organism.el
