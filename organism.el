@@ -43,7 +43,9 @@ Your reply becomes the file verbatim.")
         (progn
           (setq process (make-network-process
                          :name "model" :family 'local :service "/kernel/model.sock"
-                         :buffer buffer :coding 'binary :noquery t))
+                         :buffer buffer :coding 'binary :noquery t
+                         ;; The default sentinel would append a status line to the reply.
+                         :sentinel #'ignore))
           (process-send-string
            process
            (concat "POST /generate HTTP/1.1\r\nHost: kernel\r\n"

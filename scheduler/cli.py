@@ -7,21 +7,32 @@ worker's pipeline and the scheduler's modules, never here.
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from decimal import Decimal
 from pathlib import Path
 
 import click
-from pydantic import ValidationError
+import redis
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
+from rich.table import Table
 
+from scheduler.doctor import checks
+from scheduler.fleet import Fleet
+from scheduler.follow import describe, watch
 from worker.assembly import build_pipeline, lineage_cache, observation_store
+from worker.broker import make_provider
+from worker.broker.providers import PROVIDER_NAMES
 from worker.errors import Refusal, StaleJob
 from worker.generation import GenerationJob
+from worker.gitrepo import GitError
 from worker.instrument import current, instrument_commit, instrument_provenance
-from worker.lineage import create_lineage, read_seed
+from worker.lineage import check_name, create_lineage, read_seed, root_metadata
 from worker.physics import Physics
 from worker.settings import Settings
+from worker.store import StoreUnavailable
 
 console = Console()
 errors = Console(stderr=True)
@@ -99,23 +110,67 @@ def init(name: str, seed: Path | None, **physics_options: object) -> None:
 @click.option("--local", is_flag=True, help="Run in this process, without a broker.")
 @click.option("--provider", help="Model provider [OUROBOROS_MODEL_PROVIDER].")
 @click.option("--model", help="Model name [OUROBOROS_MODEL_NAME].")
+@click.option(
+    "--budget-usd", type=Decimal, help="Total budget of the run [per-generation budget times N]."
+)
 @click.option("--ceiling", type=click.Choice(["auto", "systemd", "cgroup2", "cgroup1"]))
+@click.option("--follow", is_flag=True, help="Show live progress until the runs stop.")
+@click.option("--wait", is_flag=True, help="Wait quietly until the runs stop.")
 def run(
     names: tuple[str, ...],
     generations: int,
     local: bool,
     provider: str | None,
     model: str | None,
+    budget_usd: Decimal | None,
     ceiling: str | None,
+    follow: bool,
+    wait: bool,
 ) -> None:
-    """Run N generations of each lineage NAME."""
+    """Run N more generations of each lineage NAME (on the fleet, or --local)."""
     settings = load_settings()
-    if not local:
-        raise Refusal("only --local runs exist in this build; pass --local")
-    from worker.broker import make_provider
-
     provider = provider or settings.model_provider
     model = model or settings.model_name
+    if budget_usd is not None and budget_usd < 0:
+        raise Refusal("--budget-usd cannot be negative")
+    if local:
+        run_local(settings, list(names), generations, provider, model, ceiling)
+        return
+    if provider not in PROVIDER_NAMES:
+        raise Refusal(
+            f"unknown model provider {provider!r}: set OUROBOROS_MODEL_PROVIDER or --provider "
+            f"to one of {', '.join(PROVIDER_NAMES)}"
+        )
+    fleet = Fleet(settings)
+    for name in names:
+        check_name(name)
+        if fleet.planner.cache.fetch(name) is None:
+            raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
+    for name in names:
+        head = fleet.planner.cache.fetch(name) or ""
+        physics = root_metadata(fleet.planner.cache, head, name).physics
+        budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
+        record = fleet.planner.start_run(name, generations, provider, model, budget)
+        fleet.planner.enqueue(name)
+        console.print(
+            f"run {record.run_id}: {name} to generation {record.target_generation}, "
+            f"budget ${record.budget_usd}, {provider}"
+        )
+    if follow or wait:
+        final = watch(fleet, list(names), console, show=follow)
+        for status in final:
+            console.print(describe(status), highlight=False)
+
+
+def run_local(
+    settings: Settings,
+    names: list[str],
+    generations: int,
+    provider: str,
+    model: str | None,
+    ceiling: str | None,
+) -> None:
+    """Generations in this process, through the same pipeline the Celery task runs."""
     make_provider(provider, model, settings)
     pipeline = build_pipeline(settings, ceiling)
     for name in names:
@@ -133,8 +188,99 @@ def run(
             pending = "" if report.observation_stored else " (observation pending)"
             console.print(
                 f"{name} gen {report.generation}: [bold]{report.outcome}[/] "
-                f"{report.commit[:12]} spent ${report.spent_usd}{pending}"
+                f"{report.commit[:12]} spent ${report.spent_usd}{pending}",
+                highlight=False,
             )
+
+
+def emit(rows: list[BaseModel], as_json: bool, table: Table) -> None:
+    if as_json:
+        click.echo(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
+    else:
+        console.print(table)
+
+
+@cli.command()
+@click.argument("names", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(names: tuple[str, ...], as_json: bool) -> None:
+    """Where each lineage stands: target, done, in flight, last outcome, deaths, spend."""
+    settings = load_settings()
+    for name in names:
+        check_name(name)
+    rows = Fleet(settings).statuses(list(names) or None)
+    table = Table(
+        "lineage",
+        "gen",
+        "target",
+        "done",
+        "in flight",
+        "last",
+        "deaths",
+        "spent",
+        "backlog",
+        "state",
+    )
+    for row in rows:
+        state = row.blocked or row.stopped or ("running" if row.in_flight else "idle")
+        if row.waiting_for_instrument:
+            state = f"waiting: no live worker serves {row.queue}"
+        table.add_row(
+            row.lineage,
+            str(row.generation),
+            str(row.target or "-"),
+            str(row.done),
+            "yes" if row.in_flight else "no",
+            row.last_outcome or "-",
+            str(row.deaths),
+            f"${row.spent_usd}" + (f" / ${row.budget_usd}" if row.budget_usd is not None else ""),
+            str(row.observation_backlog),
+            state,
+        )
+    emit(rows, as_json, table)
+
+
+@cli.command()
+@click.argument("name")
+def cancel(name: str) -> None:
+    """Stop NAME's run after the generation in flight (if any) lands."""
+    settings = load_settings()
+    check_name(name)
+    cancelled = Fleet(settings).planner.cancel(name)
+    if cancelled is None:
+        raise Refusal(f"lineage {name} has no active run to cancel")
+    console.print(f"cancelled run {cancelled.run_id} of {name}")
+
+
+@cli.command()
+@click.option(
+    "--loop", is_flag=True, help="Keep reconciling every OUROBOROS_RECONCILE_INTERVAL_SECONDS."
+)
+def reconcile(loop: bool) -> None:
+    """Re-enqueue every lineage whose run wants more and has nothing in flight."""
+    settings = load_settings()
+    fleet = Fleet(settings)
+    while True:
+        enqueued = fleet.planner.reconcile()
+        if enqueued or not loop:
+            console.print(f"reconcile: enqueued {', '.join(enqueued) or 'nothing'}")
+        if not loop:
+            return
+        time.sleep(settings.reconcile_interval_seconds)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def doctor(as_json: bool) -> None:
+    """Check this host: bwrap, emacs, git, ceiling, broker, repository, store, keys."""
+    results = checks(load_settings())
+    table = Table("check", "ok", "detail")
+    for check in results:
+        mark = "[green]ok[/]" if check.ok else ("[red]missing[/]" if check.essential else "-")
+        table.add_row(check.name, mark, check.detail)
+    emit(results, as_json, table)
+    if not all(check.ok for check in results if check.essential):
+        sys.exit(1)
 
 
 def main() -> None:
@@ -149,3 +295,7 @@ def main() -> None:
     except Refusal as exc:
         errors.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_status)
+    except (GitError, StoreUnavailable, redis.RedisError) as exc:
+        # Infrastructure that did not answer: say which, without a traceback.
+        errors.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)

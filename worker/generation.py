@@ -74,6 +74,7 @@ class GenerationJob(BaseModel):
     provider: str = Field(min_length=1, max_length=64)
     model: str | None = Field(None, max_length=200)
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,80}$")
+    budget_usd: Decimal | None = Field(None, ge=0, description="what the run has left")
     enqueued_at: datetime | None = None
 
 
@@ -143,6 +144,9 @@ class Pipeline:
         tree = self.cache.tree(parent)
         blobs = self.cache.cat_blobs(entry.sha for entry in tree.values())
         physics = meta.physics
+        if job.budget_usd is not None and job.budget_usd < physics.budget_usd:
+            # A run's remaining budget narrows, never widens, the pinned per-generation one.
+            physics = physics.model_copy(update={"budget_usd": job.budget_usd})
         source = blobs.get(tree[ORGANISM_PATH].sha, b"") if ORGANISM_PATH in tree else b""
         context = GenerationContext(
             lineage=job.lineage,

@@ -130,13 +130,24 @@ class LineageCache:
     def fetch(self, lineage: str) -> str | None:
         """Fetch one lineage branch (only new objects travel); its head, or None if absent."""
         ref = branch_ref(lineage)
-        listing = self.git("ls-remote", self.remote_url, ref).stdout.decode().split()
+        listing = self.ls_remote(ref).split()
         if not listing:
             return None
         self.git(
             "fetch", "--quiet", "--no-tags", self.remote_url, f"+{ref}:{self.tracking_ref(lineage)}"
         )
         return self.rev(self.tracking_ref(lineage))
+
+    def ls_remote(self, *patterns: str) -> str:
+        """The shared repository's matching refs; a Refusal if it cannot be read at all."""
+        result = self.git("ls-remote", self.remote_url, *patterns, check=False)
+        if result.returncode != 0:
+            raise Refusal(
+                f"cannot read the shared lineage repository {self.remote_url}: "
+                f"{result.stderr.decode(errors='replace').strip().splitlines()[0]} "
+                "(create a lineage with schedule-lineage init, or fix OUROBOROS_LINEAGE_REPO)"
+            )
+        return result.stdout.decode()
 
     def rev(self, name: str) -> str:
         return (

@@ -30,9 +30,9 @@ from worker.errors import Refusal
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
-# Every module on the trusted path. A test asserts each is in sys.modules after load,
-# and the fingerprint covers exactly these sources plus the scripts and the seed.
-WORKER_MODULES: tuple[str, ...] = (
+# Every module that decides what a generation does and records. The fingerprint covers
+# exactly these sources plus the sandbox scripts and the seed: they are the physics.
+FINGERPRINTED_MODULES: tuple[str, ...] = (
     "worker.errors",
     "worker.physics",
     "worker.settings",
@@ -58,6 +58,17 @@ WORKER_MODULES: tuple[str, ...] = (
     "worker.spool",
     "worker.generation",
 )
+# Fleet plumbing, loaded eagerly too (so editing it on disk changes nothing a running
+# worker does) but not fingerprinted: queues and leases are not physics, and a fix to
+# them must not force every lineage to start over. ``worker.celery`` is the entry
+# point that loads the instrument, so it is absent here.
+FLEET_MODULES: tuple[str, ...] = (
+    "worker.assembly",
+    "worker.coordination",
+    "worker.embedded_redis",
+    "worker.planner",
+)
+WORKER_MODULES = FINGERPRINTED_MODULES + FLEET_MODULES
 SANDBOX_SCRIPTS: tuple[str, ...] = ("stage.sh",)
 SEED_NAME = "organism.el"
 _COMMIT = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
@@ -93,7 +104,9 @@ class Instrument(BaseModel):
         os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
         digest = hashlib.sha256()
         sizes: dict[str, int] = {}
-        for name in WORKER_MODULES:
+        for name in FLEET_MODULES:
+            importlib.import_module(name)
+        for name in FINGERPRINTED_MODULES:
             module = importlib.import_module(name)
             path = Path(module.__file__ or "")
             data = path.read_bytes()

@@ -49,7 +49,7 @@ def entry_changed(generation: int, summary: str, when: datetime) -> str:
 
 
 def entry_died(generation: int, exit_code: int, stderr: str, when: datetime) -> str:
-    tail = stderr.splitlines()[-JOURNAL_STDERR_LINES:]
+    tail = stderr.rstrip().splitlines()[-JOURNAL_STDERR_LINES:]
     # A line of the organism's own that looks like a fence must not close ours early.
     fenced = "".join(f"{line}\n" for line in tail).replace("~~~", "~ ~ ~")
     return _heading(generation, "died", when) + f"exit {exit_code}\n~~~\n{fenced}~~~\n"

@@ -1,0 +1,102 @@
+"""``schedule-lineage doctor``: what this host has and lacks for the fleet.
+
+Owns the list of host checks (bwrap, emacs, git, the ceiling driver's preflight, the
+broker, the shared repository, the observation store, provider keys). A provider key
+check reports only whether a key is present and where it would be read from, never
+its value.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from worker import coordination
+from worker.assembly import lineage_cache, observation_store
+from worker.broker.providers import _HTTP_PROVIDERS
+from worker.ceilings import select_ceiling
+from worker.sandbox import resolve_emacs
+from worker.settings import Settings
+
+
+class Check(BaseModel):
+    name: str
+    ok: bool
+    detail: str
+    essential: bool = True
+
+
+def _binary(name: str, hint: str) -> Check:
+    path = shutil.which(name)
+    if path is None:
+        return Check(name=name, ok=False, detail=f"not found; {hint}")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True)
+    first = (version.stdout or version.stderr).splitlines()
+    return Check(name=name, ok=True, detail=f"{path} ({first[0] if first else 'unknown version'})")
+
+
+def _attempt(name: str, probe: Callable[[], str]) -> Check:
+    try:
+        return Check(name=name, ok=True, detail=probe())
+    except Exception as exc:  # every failure is a finding to report, not a crash
+        return Check(
+            name=name, ok=False, detail=str(exc).splitlines()[0] if str(exc) else repr(exc)
+        )
+
+
+def checks(settings: Settings) -> list[Check]:
+    results = [
+        _binary("bwrap", "install bubblewrap (scripts/setup.sh)"),
+        _attempt("emacs", lambda: str(resolve_emacs())),
+        _binary("git", "install git (scripts/setup.sh)"),
+        _attempt("ceiling", lambda: select_ceiling(settings.ceiling).name + " driver works"),
+        _attempt(
+            "broker",
+            lambda: (
+                f"{_redacted(settings.broker)} answers"
+                if coordination.redis_client(settings).ping()
+                else "no answer"
+            ),
+        ),
+        _attempt(
+            "repository",
+            lambda: (
+                lineage_cache(settings).ls_remote("refs/heads/*") is not None
+                and f"{settings.lineage_repo_url} reachable"
+            ),
+        ),
+        _attempt(
+            "store",
+            lambda: (
+                f"{observation_store(settings).url} lists "
+                f"{len(observation_store(settings).list('lineages/'))} objects"
+            ),
+        ),
+    ]
+    for provider in _HTTP_PROVIDERS.values():
+        credential = provider.credential
+        results.append(
+            _attempt(
+                credential.variable,
+                # Reads the key only to learn that it exists; the value never leaves here.
+                lambda credential=credential: (
+                    "present" if credential.read() is not None else _absent()
+                ),
+            ).model_copy(update={"essential": False})
+        )
+    return results
+
+
+def _absent() -> str:
+    raise LookupError("absent")
+
+
+def _redacted(url: str) -> str:
+    """A broker URL without its password."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"

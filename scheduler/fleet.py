@@ -1,0 +1,113 @@
+"""The scheduler's view of the fleet: starting, following, cancelling and reconciling runs.
+
+Owns the status of each lineage as the scheduler reports it (target, done, in
+flight, last outcome, deaths, spend, observation backlog, and whether any live
+worker serves the lineage's instrument queue) and the connection to the broker
+through the worker's Celery app. Progress is always derived from the shared
+repository and the observation store; Redis contributes only in-flight hints.
+
+Trusts: the shared repository, the observation store, the broker.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from decimal import Decimal
+from functools import cached_property
+
+from pydantic import BaseModel
+
+from worker import coordination, embedded_redis
+from worker.assembly import lineage_cache, observation_store
+from worker.lineage import root_metadata
+from worker.observation import DEATHS
+from worker.planner import Planner, queue_of
+from worker.settings import Settings
+
+INSPECT_TIMEOUT_SECONDS = 1.5
+
+
+class LineageStatus(BaseModel):
+    lineage: str
+    generation: int
+    run_id: str | None
+    target: int | None
+    done: int
+    in_flight: str | None
+    last_outcome: str | None
+    run_outcomes: dict[str, int]
+    deaths: int
+    spent_usd: Decimal
+    budget_usd: Decimal | None
+    observation_backlog: int
+    stopped: str | None
+    blocked: str | None
+    queue: str | None
+    waiting_for_instrument: bool
+
+
+class Fleet:
+    """The scheduler's handle on the broker, the repository and the store."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        embedded_redis.ensure(settings)
+
+    @cached_property
+    def planner(self) -> Planner:
+        from worker.celery import send_job  # the app binds the broker URL on import
+
+        return Planner(
+            settings=self.settings,
+            store=observation_store(self.settings),
+            cache=lineage_cache(self.settings),
+            client=coordination.redis_client(self.settings),
+            send=send_job,
+        )
+
+    def served_queues(self) -> set[str] | None:
+        """Queues some live worker consumes, or None when no worker answered."""
+        from worker.celery import app
+
+        try:
+            replies = app.control.inspect(timeout=INSPECT_TIMEOUT_SECONDS).active_queues()
+        except Exception:  # an unreachable broker means "unknown", never a crash
+            return None
+        if not replies:
+            return None
+        return {queue["name"] for queues in replies.values() for queue in queues}
+
+    def status(self, lineage: str, served: set[str] | None) -> LineageStatus:
+        planner = self.planner
+        head = planner.cache.fetch(lineage)
+        generation = planner.generation_count(head) if head else 0
+        index = planner.index(lineage).generations
+        run = planner.latest_run(lineage)
+        progress = planner.progress(run, head) if run and head else None
+        queue = queue_of(root_metadata(planner.cache, head, lineage)) if head else None
+        in_flight = coordination.in_flight(planner.client, lineage)
+        wants_more = progress is not None and progress.stopped is None
+        return LineageStatus(
+            lineage=lineage,
+            generation=generation,
+            run_id=run.run_id if run else None,
+            target=run.target_generation if run else None,
+            done=progress.done if progress else 0,
+            in_flight=in_flight,
+            last_outcome=index[-1].outcome if index else None,
+            run_outcomes=dict(Counter(e.outcome for e in index if run and e.run_id == run.run_id)),
+            deaths=sum(e.outcome in DEATHS for e in index),
+            spent_usd=progress.spent_usd if progress else Decimal(0),
+            budget_usd=run.budget_usd if run else None,
+            observation_backlog=max(0, generation - len(index)),
+            stopped=progress.stopped if progress else None,
+            blocked=coordination.blocked(planner.client, lineage),
+            queue=queue,
+            waiting_for_instrument=bool(
+                wants_more and queue and served is not None and queue not in served
+            ),
+        )
+
+    def statuses(self, names: list[str] | None = None) -> list[LineageStatus]:
+        served = self.served_queues()
+        return [self.status(name, served) for name in (names or self.planner.lineages())]

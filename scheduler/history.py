@@ -1,0 +1,139 @@
+"""Reading the kernel's wording back: commit subjects and journal entries.
+
+Owns the parsing of what ``worker.journal`` writes (and what the single-host
+original wrote before it): which commits are generations and their numbers, their
+outcome as the subject states it, and the journal entry of one generation with a
+death's exit status and fenced stderr lines. Generation numbers come only from
+``gen N:`` subjects, never from positions, because out-of-loop commits (seed,
+external edits, hand commits) sit between generations.
+
+Trusts nothing it parses: subjects and journal text are lineage content, so every
+function here is total (unparseable text is reported as such, never raised).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel
+
+from worker.journal import JOURNAL_STDERR_LINES
+
+CommitKind = Literal["changed", "no-change", "died", "generation", "seed", "out-of-loop"]
+
+# Current wording: "gen N: changed (organism +A/-D; K paths)", "gen N: no-change",
+# "gen N: died (exit R); staged writes discarded". Legacy: "gen N: changed +A/-B",
+# "gen N: died (exit R); reverted". "generation" is a numbered subject whose rest
+# neither wording explains: still a generation, outcome unknown.
+_GEN_SUBJECT = re.compile(r"^gen ([1-9][0-9]{0,8}): (.*)$", re.DOTALL)
+_CHANGED = re.compile(r"^changed(?: \((?P<current>[^)]*)\)| (?P<legacy>\+\d+/-\d+))$")
+_DIED = re.compile(r"^died \(exit (-?\d{1,6})\);")
+_HEADING = re.compile(r"^## gen ([1-9][0-9]{0,8}) — (.*?)(?: — (\S+))?$")
+_FENCE = "~~~"
+_EXIT_LINE = re.compile(r"^exit (-?\d{1,6})$")
+
+
+class SubjectMeaning(BaseModel):
+    """What a commit subject says about its commit."""
+
+    kind: CommitKind
+    generation: int | None = None
+    exit_status: int | None = None
+    summary: str | None = None
+
+
+class JournalEntry(BaseModel):
+    """One generation's entry in ``journal.md``."""
+
+    generation: int
+    words: str
+    time: str | None
+    text: str
+    exit_status: int | None
+    stderr_lines: list[str]
+
+
+def parse_subject(subject: str, *, is_root: bool) -> SubjectMeaning:
+    """The meaning of one commit subject; only ``gen N:`` subjects carry a number."""
+    match = _GEN_SUBJECT.match(subject)
+    if match is None:
+        return SubjectMeaning(kind="seed" if is_root else "out-of-loop")
+    generation, rest = int(match.group(1)), match.group(2)
+    if rest == "no-change":
+        return SubjectMeaning(kind="no-change", generation=generation)
+    changed = _CHANGED.match(rest)
+    if changed:
+        summary = changed.group("current") or f"organism {changed.group('legacy')}"
+        return SubjectMeaning(kind="changed", generation=generation, summary=summary)
+    died = _DIED.match(rest)
+    if died:
+        return SubjectMeaning(kind="died", generation=generation, exit_status=int(died.group(1)))
+    return SubjectMeaning(kind="generation", generation=generation, summary=rest[:200])
+
+
+def journal_entries(journal: str) -> dict[int, JournalEntry]:
+    """Every generation entry of a journal, by number (a later entry wins a duplicate)."""
+    entries: dict[int, JournalEntry] = {}
+    for block in _blocks(journal):
+        entry = _entry(block)
+        if entry is not None:
+            entries[entry.generation] = entry
+    return entries
+
+
+def journal_entry(journal: str, generation: int) -> JournalEntry | None:
+    """The entry of one generation; entries are appended, so only the tail is parsed."""
+    start = journal.rfind(f"\n## gen {generation} — ")
+    if start < 0:
+        if not journal.startswith(f"## gen {generation} — "):
+            return None
+        start = -1
+    block = journal[start + 1 :]
+    following = block.find("\n## ", 1)
+    return _entry(block if following < 0 else block[: following + 1])
+
+
+def _blocks(journal: str) -> list[str]:
+    blocks: list[str] = []
+    for line in journal.splitlines(keepends=True):
+        if line.startswith("## ") or not blocks:
+            blocks.append(line)
+        else:
+            blocks[-1] += line
+    return blocks
+
+
+def _entry(block: str) -> JournalEntry | None:
+    lines = block.splitlines()
+    if not lines:
+        return None
+    heading = _HEADING.match(lines[0])
+    if heading is None:
+        return None
+    body = lines[1:]
+    exit_status = None
+    for line in body:
+        found = _EXIT_LINE.match(line)
+        if found:
+            exit_status = int(found.group(1))
+            break
+    return JournalEntry(
+        generation=int(heading.group(1)),
+        words=heading.group(2),
+        time=heading.group(3),
+        text=block.strip("\n"),
+        exit_status=exit_status,
+        stderr_lines=_fenced(body),
+    )
+
+
+def _fenced(body: list[str]) -> list[str]:
+    """The lines between the first pair of ``~~~`` fences (a death's stderr tail)."""
+    try:
+        opening = body.index(_FENCE)
+        closing = body.index(_FENCE, opening + 1)
+    except ValueError:
+        return []
+    # The kernel writes at most five; more means the entry was not the kernel's.
+    return body[opening + 1 : closing][-JOURNAL_STDERR_LINES:]

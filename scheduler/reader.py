@@ -1,0 +1,522 @@
+"""The one read-only reader behind every browsing view (CLI and web UI).
+
+Owns answering browsing questions from the two sources of truth: the shared bare
+repository (which commits exist, their numbering, the journal, diffs, bodies) and
+the observation store (metadata, the per-lineage index, observations, runs). It
+never writes either. Lists and pages come from the history and the index object;
+one observation object is read only when one generation is shown, so the cost of
+the overview and of a lineage page does not grow with observation objects.
+
+Caches are keyed by what makes them valid: a branch head (commits are immutable)
+and the index object's exact bytes (publication rewrites it), so nothing stale is
+ever served and no cache needs expiry.
+
+Trusts: the store and repository the settings name. Treats all lineage content as
+data; validates lineage names and generation numbers before any lookup, and looks
+lineages up among existing branches, so a URL or argument never reaches git or the
+store as a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from scheduler.browse import (
+    CommitView,
+    CompareView,
+    FamilyView,
+    FileDiff,
+    GenerationRow,
+    GenerationView,
+    JournalRow,
+    LineageSummary,
+    LineageView,
+    PageInfo,
+    RunProgress,
+    Series,
+    SeriesPoint,
+)
+from scheduler.history import journal_entries, journal_entry, parse_subject
+from scheduler.readgit import ReadOnlyGit
+from worker.errors import Refusal
+from worker.gitrepo import BRANCH_PREFIX, is_local, local_path
+from worker.lineage import (
+    JOURNAL_PATH,
+    METADATA_PATH,
+    NAME_PATTERN,
+    ORGANISM_PATH,
+    LineageMetadata,
+)
+from worker.observation import (
+    DEATHS,
+    IndexEntry,
+    LineageIndex,
+    Observation,
+    RunRecord,
+    generation_key,
+    index_key,
+)
+from worker.settings import Settings
+from worker.store import ObservationStore, open_store
+
+DEFAULT_PER_PAGE = 50
+MAX_PER_PAGE = 500
+CHART_POINTS = 300
+# Above this many changed lines in one comparison only organism.el's patch is shown:
+# a published tree may hold hundreds of MiB, and a page must stay readable and fast.
+PATCH_LINE_BUDGET = 20_000
+LETHAL_BODY_BYTES = 1024 * 1024
+_HISTORY_CACHE = 64
+_EMPTY_TREE = {
+    40: "4b825dc642cb6eb9a060e54bf8d69288fbee4904",
+    64: "6ef19b41225c5369f1c104d45d8d85efa9b057b53b14b4b9b939dd74decc5321",
+}
+_FIELD = "\x1f"
+_RECORD = "\x1e"
+
+
+class NotFound(LookupError):
+    """No such lineage or generation (or a malformed name or number)."""
+
+
+@dataclass(frozen=True)
+class History:
+    """Everything the repository says about one branch head; immutable, so cacheable."""
+
+    name: str
+    head: str
+    commits: list[CommitView]  # newest first
+    by_generation: dict[int, CommitView]
+    metadata: LineageMetadata | None
+    seed_sha256: str | None
+
+    @property
+    def numbered(self) -> int:
+        return len(self.by_generation)
+
+
+@dataclass
+class IndexView:
+    """A parsed index object with the derived figures every view needs."""
+
+    raw: bytes
+    entries: dict[int, IndexEntry]
+    spent_usd: Decimal
+    series: list[Series] = field(default_factory=list)
+
+
+class Reader:
+    """Read-only answers over one shared repository and one observation store."""
+
+    def __init__(self, store: ObservationStore, repo: Path) -> None:
+        self.store = store
+        self.git = ReadOnlyGit(repo)
+        self._lock = threading.Lock()
+        self._histories: OrderedDict[tuple[str, str], History] = OrderedDict()
+        self._indexes: dict[str, IndexView] = {}
+
+    # -- lineages -------------------------------------------------------------
+
+    def heads(self) -> dict[str, str]:
+        """Every lineage branch: name -> head commit."""
+        out = self.git.run(
+            "for-each-ref", "--format=%(refname:lstrip=2) %(objectname)", f"refs/heads/{BRANCH_PREFIX}"
+        ).stdout.decode(errors="replace")
+        heads = {}
+        for line in out.splitlines():
+            branch, _, sha = line.partition(" ")
+            name = branch.removeprefix(BRANCH_PREFIX)
+            # A branch no fleet command could have made is not a lineage we show.
+            if branch.startswith(BRANCH_PREFIX) and NAME_PATTERN.match(name):
+                heads[name] = sha
+        return heads
+
+    def history(self, name: str) -> History:
+        if not NAME_PATTERN.match(name):
+            raise NotFound(f"no lineage named {name!r}")
+        head = self.heads().get(name)
+        if head is None:
+            raise NotFound(f"no lineage named {name}")
+        return self._history(name, head)
+
+    def summaries(self) -> list[LineageSummary]:
+        return [self._summary(self._history(n, h)) for n, h in sorted(self.heads().items())]
+
+    def summary(self, name: str) -> LineageSummary:
+        return self._summary(self.history(name))
+
+    def family(self, seed_sha256: str) -> FamilyView:
+        members = [s for s in self.summaries() if s.seed_sha256 == seed_sha256]
+        if not members:
+            raise NotFound(f"no lineage seeded from {seed_sha256}")
+        return FamilyView(seed_sha256=seed_sha256, lineages=members)
+
+    def lineage(self, name: str, page: int = 1, per_page: int = DEFAULT_PER_PAGE) -> LineageView:
+        history = self.history(name)
+        index = self._index(name)
+        per_page = max(1, min(per_page, MAX_PER_PAGE))
+        pages = max(1, -(-len(history.commits) // per_page))
+        if not 1 <= page <= pages:
+            raise NotFound(f"lineage {name} has {pages} pages")
+        window = history.commits[(page - 1) * per_page : page * per_page]
+        return LineageView(
+            summary=self._summary(history, index),
+            metadata=history.metadata,
+            page=PageInfo(number=page, per_page=per_page, rows=len(history.commits), pages=pages),
+            rows=[_row(commit, index) for commit in window],
+            series=index.series if index else [],
+        )
+
+    # -- generations ----------------------------------------------------------
+
+    def generation(self, name: str, number: int) -> GenerationView:
+        history = self.history(name)
+        commit = _numbered(history, number)
+        parent = commit.parents[0] if commit.parents else None
+        specs = [f"{commit.sha}:{JOURNAL_PATH}"]
+        if parent and commit.kind == "died":
+            specs.append(f"{parent}:{ORGANISM_PATH}")
+        blobs = self.git.blobs(specs)
+        journal = blobs[specs[0]]
+        lethal = blobs.get(specs[-1]) if len(specs) == 2 else None
+        numbers = sorted(history.by_generation)
+        position = numbers.index(number)
+        return GenerationView(
+            lineage=name,
+            row=_row(commit, self._index(name)),
+            parent=parent,
+            previous=numbers[position - 1] if position > 0 else None,
+            next=numbers[position + 1] if position + 1 < len(numbers) else None,
+            journal=journal_entry(_text(journal), number) if journal is not None else None,
+            diff=self._diff(parent, commit.sha),
+            observation=self._observation(name, commit),
+            lethal_body=_text(lethal[:LETHAL_BODY_BYTES]) if lethal is not None else None,
+        )
+
+    def compare(self, name: str, a: int, b: int) -> CompareView:
+        history = self.history(name)
+        first, second = _numbered(history, a), _numbered(history, b)
+        index = self._index(name)
+        return CompareView(
+            lineage=name,
+            a=_row(first, index),
+            b=_row(second, index),
+            diff=self._diff(first.sha, second.sha),
+        )
+
+    def journal(self, name: str) -> list[JournalRow]:
+        """Every commit, oldest first, with its generation's journal entry (CLI view)."""
+        history = self.history(name)
+        raw = self.git.blobs([f"{history.head}:{JOURNAL_PATH}"])[f"{history.head}:{JOURNAL_PATH}"]
+        entries = journal_entries(_text(raw)) if raw is not None else {}
+        return [
+            JournalRow(
+                commit=commit,
+                entry=entries.get(commit.generation) if commit.generation else None,
+            )
+            for commit in reversed(history.commits)
+        ]
+
+    def observed_rows(self, name: str) -> list[GenerationRow]:
+        """Every numbered generation, oldest first, with its indexed figures (CLI view)."""
+        history = self.history(name)
+        index = self._index(name)
+        return [_row(c, index) for c in reversed(history.commits) if c.generation is not None]
+
+    # -- internals ------------------------------------------------------------
+
+    def _history(self, name: str, head: str) -> History:
+        key = (name, head)
+        with self._lock:
+            if key in self._histories:
+                self._histories.move_to_end(key)
+                return self._histories[key]
+        history = self._read_history(name, head)
+        with self._lock:
+            self._histories[key] = history
+            while len(self._histories) > _HISTORY_CACHE:
+                self._histories.popitem(last=False)
+        return history
+
+    def _read_history(self, name: str, head: str) -> History:
+        fmt = _FIELD.join(("%H", "%P", "%cI", "%s")) + _RECORD
+        out = self.git.run("log", "--topo-order", f"--format={fmt}", head).stdout
+        commits: list[CommitView] = []
+        for record in out.decode(errors="replace").split(_RECORD):
+            fields = record.strip("\n").split(_FIELD)
+            if len(fields) != 4:
+                continue
+            sha, parents, when, subject = fields
+            meaning = parse_subject(subject, is_root=not parents)
+            commits.append(
+                CommitView(
+                    sha=sha,
+                    parents=parents.split(),
+                    committed_at=datetime.fromisoformat(when),
+                    subject=subject,
+                    **meaning.model_dump(),
+                )
+            )
+        by_generation: dict[int, CommitView] = {}
+        for commit in reversed(commits):  # oldest first, so a repeated number keeps the newest
+            if commit.generation is not None:
+                by_generation[commit.generation] = commit
+        root = commits[-1].sha
+        specs = [f"{root}:{METADATA_PATH}", f"{root}:{ORGANISM_PATH}"]
+        blobs = self.git.blobs(specs)
+        seed = blobs[specs[1]]
+        return History(
+            name=name,
+            head=head,
+            commits=commits,
+            by_generation=by_generation,
+            metadata=_metadata(blobs[specs[0]]),
+            seed_sha256=hashlib.sha256(seed).hexdigest() if seed is not None else None,
+        )
+
+    def _index(self, name: str) -> IndexView | None:
+        """The lineage's index object, parsed once per distinct content."""
+        raw = self.store.get(index_key(name))
+        if raw is None:
+            return None
+        cached = self._indexes.get(name)
+        if cached is not None and cached.raw == raw:
+            return cached
+        try:
+            parsed = LineageIndex.model_validate_json(raw)
+        except ValidationError:
+            return None  # derived data: a damaged index reads as absent, figures and all
+        entries = {entry.generation: entry for entry in parsed.generations}
+        view = IndexView(
+            raw=raw,
+            entries=entries,
+            spent_usd=sum((e.spent_usd for e in parsed.generations), Decimal(0)),
+            series=_series(parsed.generations),
+        )
+        self._indexes[name] = view
+        return view
+
+    def _observation(self, name: str, commit: CommitView) -> Observation | None:
+        assert commit.generation is not None
+        raw = self.store.get(generation_key(name, commit.generation))
+        if raw is None:
+            return None
+        try:
+            observation = Observation.model_validate_json(raw)
+        except ValidationError:
+            return None
+        # An observation of another commit with this number is not this generation's.
+        return observation if observation.lineage_commit == commit.sha else None
+
+    def _runs(self, name: str) -> list[RunRecord]:
+        runs = []
+        for key in self.store.list(f"lineages/{name}/runs/"):
+            raw = self.store.get(key)
+            try:
+                runs.append(RunRecord.model_validate_json(raw or b""))
+            except ValidationError:
+                continue
+        return sorted(runs, key=lambda run: run.run_id)
+
+    def _summary(self, history: History, index: IndexView | None = None) -> LineageSummary:
+        index = index if index is not None else self._index(history.name)
+        outcomes = Counter(
+            _outcome_class(_row(c, index).outcome) for c in history.by_generation.values()
+        )
+        latest = max(history.by_generation, default=0)
+        last = history.by_generation.get(latest)
+        last_entry = index.entries.get(latest) if index else None
+        fleet = history.metadata is not None
+        observed = sum(
+            1 for c in history.by_generation.values() if _figures(c, index) is not None
+        )
+        runs = self._runs(history.name) if fleet else []
+        progress = _progress(runs[-1], history, index) if runs else None
+        if not fleet:
+            status = "imported"
+        elif progress and progress.stopped is None:
+            status = "running"
+        else:
+            status = "idle"
+        return LineageSummary(
+            name=history.name,
+            kind="fleet" if fleet else "imported",
+            status=status,
+            head=history.head,
+            seed_sha256=history.seed_sha256,
+            instrument_fingerprint=history.metadata.instrument_fingerprint if fleet else None,
+            generations=latest,
+            outcomes=dict(outcomes),
+            out_of_loop=len(history.commits) - history.numbered,
+            last_generation_at=(
+                last_entry.finished_at if last_entry else last.committed_at if last else None
+            ),
+            spent_usd=index.spent_usd if index else None,
+            observed=observed,
+            backlog=history.numbered - observed if fleet else None,
+            run=progress,
+        )
+
+    def _diff(self, old: str | None, new: str) -> list[FileDiff]:
+        """Per-path changes, organism.el first, then the other paths in git's order."""
+        base = old or _EMPTY_TREE[len(new)]
+        stat = self.git.run("diff", "--numstat", "-z", base, new).stdout
+        files: list[FileDiff] = []
+        for record in stat.split(b"\0"):
+            if not record:
+                continue
+            added, deleted, path = record.split(b"\t", 2)
+            binary = added == b"-"
+            files.append(
+                FileDiff(
+                    path=_text(path),
+                    added=None if binary else int(added),
+                    deleted=None if binary else int(deleted),
+                    binary=binary,
+                    patch=None,
+                )
+            )
+        changed = sum((f.added or 0) + (f.deleted or 0) for f in files)
+        if changed <= PATCH_LINE_BUDGET:
+            self._attach_patches(files, self.git.run("diff", "-p", base, new).stdout)
+        else:
+            organism = next((f for f in files if f.path == ORGANISM_PATH), None)
+            if organism and (organism.added or 0) + (organism.deleted or 0) <= PATCH_LINE_BUDGET:
+                patch = self.git.run("diff", "-p", base, new, "--", ORGANISM_PATH).stdout
+                self._attach_patches([organism], patch)
+            for f in files:
+                if f.patch is None and not f.binary:
+                    f.omitted = f"{changed} lines changed in this comparison; patch not shown"
+        return sorted(files, key=lambda f: f.path != ORGANISM_PATH)
+
+    @staticmethod
+    def _attach_patches(files: list[FileDiff], patch: bytes) -> None:
+        """Split one patch into per-path sections, in the numstat's (git's) order.
+
+        A type change (file to symlink) is two sections under one header, so sections
+        are grouped by header line; paths are never parsed out of quoted headers.
+        """
+        groups: list[tuple[bytes, list[bytes]]] = []
+        for section in patch.split(b"\ndiff --git ")[0:]:
+            section = section if section.startswith(b"diff --git ") else b"diff --git " + section
+            header = section.split(b"\n", 1)[0]
+            if groups and groups[-1][0] == header:
+                groups[-1][1].append(section)
+            else:
+                groups.append((header, [section]))
+        if not patch or len(groups) != len(files):
+            return  # leave patches unset rather than risk showing one under another's name
+        for f, (_, sections) in zip(files, groups, strict=True):
+            f.patch = _text(b"\n".join(sections).rstrip(b"\n"))
+
+
+def open_reader(settings: Settings) -> Reader:
+    """The reader of the configured store and shared repository (which must be local)."""
+    url = settings.lineage_repo_url
+    if not is_local(url):
+        raise Refusal(
+            f"browsing reads the shared repository directly; OUROBOROS_LINEAGE_REPO={url!r} "
+            "is remote - run the browser on a host with a local copy"
+        )
+    return Reader(open_store(settings.observations_url, settings), local_path(url))
+
+
+def parse_generation(text: str) -> int:
+    """A generation number from a URL or argument: 1-999999999, digits only."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < 1:
+        raise NotFound(f"no generation {text!r}")
+    return int(text)
+
+
+def _numbered(history: History, number: int) -> CommitView:
+    commit = history.by_generation.get(number)
+    if commit is None:
+        raise NotFound(f"lineage {history.name} has no generation {number}")
+    return commit
+
+
+def _figures(commit: CommitView, index: IndexView | None) -> IndexEntry | None:
+    if index is None or commit.generation is None:
+        return None
+    entry = index.entries.get(commit.generation)
+    # Figures belong to the commit they were observed on, not merely to its number.
+    return entry if entry is not None and entry.lineage_commit == commit.sha else None
+
+
+def _row(commit: CommitView, index: IndexView | None) -> GenerationRow:
+    return GenerationRow(commit=commit, figures=_figures(commit, index))
+
+
+def _outcome_class(outcome: str) -> str:
+    return "died" if outcome in DEATHS else outcome
+
+
+def _progress(run: RunRecord, history: History, index: IndexView | None) -> RunProgress:
+    """How far the run got, by the planner's rule (generation count, spend, cancel)."""
+    generation = history.numbered
+    spent = sum(
+        (e.spent_usd for e in (index.entries.values() if index else ()) if e.run_id == run.run_id),
+        Decimal(0),
+    )
+    stopped = None
+    if run.status == "cancelled":
+        stopped = "cancelled"
+    elif generation >= run.target_generation:
+        stopped = "target reached"
+    elif spent >= run.budget_usd:
+        stopped = "budget exhausted"
+    return RunProgress(
+        run=run,
+        generation=generation,
+        done=generation - run.start_generation,
+        wanted=run.target_generation - run.start_generation,
+        spent_usd=spent,
+        stopped=stopped,
+    )
+
+
+def _series(entries: list[IndexEntry]) -> list[Series]:
+    """Duration, peak memory and cost across generations, bucketed to CHART_POINTS."""
+    charts: list[tuple[str, str, str, Callable[[IndexEntry], float | None]]] = [
+        ("duration", "Duration", "s", lambda e: e.duration_seconds),
+        (
+            "memory",
+            "Peak memory",
+            "MiB",
+            lambda e: e.memory_peak_bytes / 2**20 if e.memory_peak_bytes is not None else None,
+        ),
+        ("cost", "Cost", "USD", lambda e: float(e.spent_usd)),
+    ]
+    bucket = max(1, -(-len(entries) // CHART_POINTS))
+    series = []
+    for key, title, unit, value in charts:
+        points = []
+        for start in range(0, len(entries), bucket):
+            chunk = entries[start : start + bucket]
+            values = [v for v in map(value, chunk) if v is not None]
+            if values:
+                points.append(SeriesPoint(generation=chunk[0].generation, value=max(values)))
+        series.append(Series(key=key, title=title, unit=unit, bucket=bucket, points=points))
+    return series
+
+
+def _metadata(raw: bytes | None) -> LineageMetadata | None:
+    if raw is None:
+        return None
+    try:
+        return LineageMetadata.model_validate_json(raw)
+    except ValidationError:
+        return None
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")

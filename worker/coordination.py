@@ -1,0 +1,76 @@
+"""Coordination markers in Redis: leases, in-flight markers and blocked lineages.
+
+Owns the Redis keys that save wasted work: a per-lineage lease held while a
+generation runs (so a duplicated message does not run the same life twice), an
+in-flight marker set when a job is enqueued (so the reconciler does not enqueue a
+second one) and a blocked marker with the reason a lineage cannot advance here.
+Correctness never rests on these: the compare-and-swap push and the write-once
+observation make a lost lease or marker harmless. Losing all of Redis loses only
+these hints; the reconciler rebuilds progress from the repository and the store.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import redis
+
+from worker.settings import Settings
+
+PREFIX = "ouroboros"
+
+
+def redis_client(settings: Settings) -> redis.Redis:
+    """A client for the broker's Redis (kombu's ``redis+socket://`` is redis-py's ``unix://``)."""
+    url = settings.broker
+    if url.startswith("redis+socket://"):
+        url = "unix://" + url.removeprefix("redis+socket://")
+    return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+
+
+class Lease:
+    """An expiring per-lineage lock; release only removes the holder's own lease."""
+
+    _RELEASE = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('del', KEYS[1]) end return 0"
+    )
+
+    def __init__(self, client: redis.Redis, lineage: str, ttl_seconds: int) -> None:
+        self.client = client
+        self.key = f"{PREFIX}:lease:{lineage}"
+        self.ttl = ttl_seconds
+        self.token = secrets.token_hex(16)
+
+    def acquire(self) -> bool:
+        return bool(self.client.set(self.key, self.token, nx=True, ex=self.ttl))
+
+    def release(self) -> None:
+        self.client.eval(self._RELEASE, 1, self.key, self.token)
+
+
+def lease_held(client: redis.Redis, lineage: str) -> bool:
+    return bool(client.exists(f"{PREFIX}:lease:{lineage}"))
+
+
+def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> bool:
+    """Claim the lineage's single in-flight slot for ``job_id``; False if already taken."""
+    return bool(client.set(f"{PREFIX}:inflight:{lineage}", job_id, nx=True, ex=ttl_seconds))
+
+
+def in_flight(client: redis.Redis, lineage: str) -> str | None:
+    value = client.get(f"{PREFIX}:inflight:{lineage}")
+    return value.decode() if value else None
+
+
+def clear_in_flight(client: redis.Redis, lineage: str, job_id: str) -> None:
+    client.eval(Lease._RELEASE, 1, f"{PREFIX}:inflight:{lineage}", job_id)
+
+
+def block(client: redis.Redis, lineage: str, reason: str, ttl_seconds: int) -> None:
+    client.set(f"{PREFIX}:blocked:{lineage}", reason, ex=ttl_seconds)
+
+
+def blocked(client: redis.Redis, lineage: str) -> str | None:
+    value = client.get(f"{PREFIX}:blocked:{lineage}")
+    return value.decode() if value else None

@@ -1,0 +1,210 @@
+"""Planning: which generation each lineage should run next, and enqueueing it.
+
+Owns run records (``runs/<run-id>.json``, written by the scheduler), the progress of
+a run (derived from the repository and the lineage index, never stored), the reasons
+a run stops (target reached, budget exhausted, cancelled) and the rule that at most
+one generation of a lineage is in flight. Both the worker (right after a generation
+lands) and the reconciler (after a lost message, a Redis restart or a dead worker)
+plan through ``Planner.enqueue``; a duplicate it may cause is harmless.
+
+Trusts: the shared repository, the observation store and the broker.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import redis
+from pydantic import BaseModel
+
+from worker import coordination
+from worker.errors import Refusal
+from worker.generation import GenerationJob
+from worker.gitrepo import BRANCH_PREFIX, LineageCache
+from worker.lineage import LineageMetadata, root_metadata
+from worker.observation import LineageIndex, RunRecord, index_key, run_key
+from worker.settings import Settings
+from worker.store import ObservationStore
+
+# Time for fetch, decode, commit, push and the observation after the life ends.
+PUBLICATION_MARGIN_SECONDS = 600
+
+Send = Callable[[GenerationJob, str, str, int], None]
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def queue_of(meta: LineageMetadata) -> str:
+    """The queue of the instrument a lineage is pinned to."""
+    return f"gen.{meta.instrument_fingerprint[:12]}"
+
+
+def hard_time_limit(meta: LineageMetadata) -> int:
+    return meta.physics.wall_seconds + PUBLICATION_MARGIN_SECONDS
+
+
+class Progress(BaseModel):
+    run: RunRecord
+    generation: int
+    done: int
+    spent_usd: Decimal
+    stopped: str | None
+
+    @property
+    def remaining_usd(self) -> Decimal:
+        return max(Decimal(0), self.run.budget_usd - self.spent_usd)
+
+
+class Planner:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        store: ObservationStore,
+        cache: LineageCache,
+        client: redis.Redis,
+        send: Send,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.cache = cache
+        self.client = client
+        self.send = send
+
+    def lineages(self) -> list[str]:
+        """Every lineage branch in the shared repository."""
+        out = self.cache.ls_remote("refs/heads/*")
+        prefix = f"refs/heads/{BRANCH_PREFIX}"
+        return sorted(
+            line.split("\t")[1].removeprefix(prefix)
+            for line in out.splitlines()
+            if line.split("\t")[1].startswith(prefix)
+        )
+
+    def runs(self, lineage: str) -> list[RunRecord]:
+        keys = self.store.list(f"lineages/{lineage}/runs/")
+        records = [RunRecord.model_validate_json(self.store.get(key) or b"{}") for key in keys]
+        return sorted(records, key=lambda run: run.run_id)
+
+    def latest_run(self, lineage: str) -> RunRecord | None:
+        runs = self.runs(lineage)
+        return runs[-1] if runs else None
+
+    def save_run(self, run: RunRecord) -> None:
+        self.store.put(run_key(run.lineage, run.run_id), run.model_dump_json(indent=2).encode())
+
+    def index(self, lineage: str) -> LineageIndex:
+        raw = self.store.get(index_key(lineage))
+        return LineageIndex.model_validate_json(raw) if raw else LineageIndex(lineage=lineage)
+
+    def generation_count(self, head: str) -> int:
+        return sum(subject.startswith("gen ") for subject in self.cache.subjects(head))
+
+    def progress(self, run: RunRecord, head: str) -> Progress:
+        generation = self.generation_count(head)
+        spent = sum(
+            (e.spent_usd for e in self.index(run.lineage).generations if e.run_id == run.run_id),
+            Decimal(0),
+        )
+        stopped = None
+        if run.status == "cancelled":
+            stopped = "cancelled"
+        elif generation >= run.target_generation:
+            stopped = "target reached"
+        elif spent >= run.budget_usd:
+            stopped = "budget exhausted"
+        return Progress(
+            run=run,
+            generation=generation,
+            done=generation - run.start_generation,
+            spent_usd=spent,
+            stopped=stopped,
+        )
+
+    def start_run(
+        self, lineage: str, generations: int, provider: str, model: str | None, budget: Decimal
+    ) -> RunRecord:
+        head = self.cache.fetch(lineage)
+        if head is None:
+            raise Refusal(f"no lineage named {lineage}; create it with schedule-lineage init")
+        current = self.generation_count(head)
+        run = RunRecord(
+            run_id=new_run_id(),
+            lineage=lineage,
+            created_at=datetime.now(UTC),
+            start_generation=current,
+            target_generation=current + generations,
+            provider=provider,
+            model=model,
+            budget_usd=budget,
+        )
+        previous = self.latest_run(lineage)
+        if previous is not None and previous.status == "active":
+            # A new run replaces the old one: at most one run drives a lineage.
+            self.save_run(
+                previous.model_copy(update={"status": "cancelled", "cancelled_at": run.created_at})
+            )
+        self.save_run(run)
+        return run
+
+    def cancel(self, lineage: str) -> RunRecord | None:
+        run = self.latest_run(lineage)
+        if run is None or run.status != "active":
+            return None
+        cancelled = run.model_copy(
+            update={"status": "cancelled", "cancelled_at": datetime.now(UTC)}
+        )
+        self.save_run(cancelled)
+        return cancelled
+
+    def plan(self, lineage: str) -> tuple[GenerationJob, LineageMetadata] | None:
+        """The next job of ``lineage``, or None when its run wants nothing more."""
+        run = self.latest_run(lineage)
+        if run is None or run.status != "active":
+            return None
+        head = self.cache.fetch(lineage)
+        if head is None:
+            return None
+        progress = self.progress(run, head)
+        if progress.stopped:
+            return None
+        meta = root_metadata(self.cache, head, lineage)
+        job = GenerationJob(
+            lineage=lineage,
+            expected_commit=head,
+            provider=run.provider,
+            model=run.model,
+            run_id=run.run_id,
+            budget_usd=min(meta.physics.budget_usd, progress.remaining_usd),
+            enqueued_at=datetime.now(UTC),
+        )
+        return job, meta
+
+    def enqueue(self, lineage: str) -> GenerationJob | None:
+        """Enqueue the next generation unless one is in flight or the run is done."""
+        if coordination.in_flight(self.client, lineage) or coordination.lease_held(
+            self.client, lineage
+        ):
+            return None
+        if coordination.blocked(self.client, lineage):
+            return None
+        planned = self.plan(lineage)
+        if planned is None:
+            return None
+        job, meta = planned
+        job_id = f"{lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
+        if not coordination.mark_in_flight(
+            self.client, lineage, job_id, self.settings.inflight_ttl_seconds
+        ):
+            return None
+        self.send(job, job_id, queue_of(meta), hard_time_limit(meta))
+        return job
+
+    def reconcile(self) -> list[str]:
+        """Enqueue every lineage whose run wants more and has nothing in flight."""
+        return [lineage for lineage in self.lineages() if self.enqueue(lineage) is not None]
