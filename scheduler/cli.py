@@ -15,10 +15,12 @@ from pathlib import Path
 
 import click
 import redis
+from kombu.exceptions import OperationalError
 from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from scheduler import views_cli
 from scheduler.doctor import checks
 from scheduler.fleet import Fleet
 from scheduler.follow import describe, watch
@@ -160,6 +162,8 @@ def run(
         final = watch(fleet, list(names), console, show=follow)
         for status in final:
             console.print(describe(status), highlight=False)
+        if any(status.blocked for status in final):
+            sys.exit(1)
 
 
 def run_local(
@@ -260,12 +264,19 @@ def reconcile(loop: bool) -> None:
     """Re-enqueue every lineage whose run wants more and has nothing in flight."""
     settings = load_settings()
     fleet = Fleet(settings)
-    while True:
+    if not loop:
         enqueued = fleet.planner.reconcile()
-        if enqueued or not loop:
-            console.print(f"reconcile: enqueued {', '.join(enqueued) or 'nothing'}")
-        if not loop:
-            return
+        console.print(f"reconcile: enqueued {', '.join(enqueued) or 'nothing'}")
+        return
+    while True:
+        try:
+            enqueued = fleet.planner.reconcile()
+        except (redis.RedisError, OperationalError, StoreUnavailable, GitError, Refusal) as exc:
+            # A lost broker or store is exactly what the loop exists to outlive.
+            errors.print(f"reconcile: {exc}; retrying", highlight=False)
+        else:
+            if enqueued:
+                console.print(f"reconcile: enqueued {', '.join(enqueued)}", highlight=False)
         time.sleep(settings.reconcile_interval_seconds)
 
 
@@ -281,6 +292,10 @@ def doctor(as_json: bool) -> None:
     emit(results, as_json, table)
     if not all(check.ok for check in results if check.essential):
         sys.exit(1)
+
+
+for command in views_cli.COMMANDS:
+    cli.add_command(command)
 
 
 def main() -> None:

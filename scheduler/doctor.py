@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from worker import coordination
 from worker.assembly import lineage_cache, observation_store
-from worker.broker.providers import _HTTP_PROVIDERS
+from worker.broker.providers import HTTP_PROVIDERS
 from worker.ceilings import select_ceiling
 from worker.sandbox import resolve_emacs
 from worker.settings import Settings
@@ -76,7 +76,7 @@ def checks(settings: Settings) -> list[Check]:
             ),
         ),
     ]
-    for provider in _HTTP_PROVIDERS.values():
+    for provider in HTTP_PROVIDERS.values():
         credential = provider.credential
         results.append(
             _attempt(

@@ -25,7 +25,7 @@ def describe(status: LineageStatus) -> str:
 
 
 def watch(fleet: Fleet, names: list[str], console: Console, show: bool) -> list[LineageStatus]:
-    """Poll until every named lineage's run has stopped; the final statuses."""
+    """Poll until every named lineage's run has stopped or is blocked; the final statuses."""
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -55,7 +55,8 @@ def watch(fleet: Fleet, names: list[str], console: Console, show: bool) -> list[
                         f"[yellow]{status.lineage}: no live worker serves {status.queue}; "
                         "start one with the lineage's instrument (celery -A worker worker)[/]"
                     )
-            if all(status.stopped for status in statuses):
+            # A blocked lineage cannot advance until an operator acts: waiting is pointless.
+            if all(status.stopped or status.blocked for status in statuses):
                 return statuses
             time.sleep(POLL_SECONDS)
             if time.monotonic() - checked > WORKER_CHECK_SECONDS:

@@ -8,7 +8,6 @@ and the ``If-None-Match`` write-once path are exercised as against MinIO or AWS.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,19 +19,13 @@ from pathlib import Path
 
 import boto3
 import pytest
+from lineage_support import free_port
 
 from worker.settings import Settings
 from worker.store import ObservationStore, open_store
 
 S3_REGION = "us-east-1"
 MOTO_START_SECONDS = 30
-
-
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +64,7 @@ def s3_endpoint(
     aws_test_credentials: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """URL of a moto S3 server running as a subprocess for the whole session."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
     with log_path.open("wb") as log:

@@ -36,7 +36,6 @@ GENERATION_TASK = "ouroboros.generation"
 RECONCILE_TASK = "ouroboros.reconcile"
 CONTROL_QUEUE = "ouroboros.control"
 BLOCKED_SECONDS = 300
-SPOOL_RETRY_SECONDS = 30
 
 log = logging.getLogger("ouroboros.worker")
 
@@ -115,12 +114,18 @@ def generation(self: object, payload: object = None) -> str:
         log.error("rejected malformed job %s: %s", request.id, reasons)
         return "rejected"
     client = coordination.redis_client(settings)
-    hard_limit = (request.timelimit or (None, None))[0] or settings.inflight_ttl_seconds
-    lease = coordination.Lease(client, job.lineage, int(hard_limit) + 60)
+    lease = coordination.Lease(client, job.lineage, settings.lease_seconds)
     if not lease.acquire():
         log.info("%s: another worker holds the lease; not running %s", job.lineage, request.id)
         return "busy"
+    coordination.claim_running(client, job.lineage, request.id, settings.lease_seconds)
+    beating = threading.Event()
+    heart = threading.Thread(
+        target=_heartbeat, args=(lease, job.lineage, request.id, beating), daemon=True
+    )
+    heart.start()
     redelivered = bool((request.delivery_info or {}).get("redelivered"))
+    report = None
     try:
         report = pipeline().run(
             job, task_id=request.id, attempt=1 + request.retries + int(redelivered)
@@ -135,10 +140,26 @@ def generation(self: object, payload: object = None) -> str:
         coordination.block(client, job.lineage, str(exc), BLOCKED_SECONDS)
         outcome = "refused"
     finally:
-        lease.release()
+        beating.set()
+        heart.join()
         coordination.clear_in_flight(client, job.lineage, request.id)
-    planner().enqueue(job.lineage)
+        lease.release()
+    follow = planner().follow_up(job, report) if report else None
+    if follow is not None:
+        planner().submit(follow)
+    elif outcome == "stale":
+        planner().enqueue(job.lineage)
     return outcome
+
+
+def _heartbeat(lease: coordination.Lease, lineage: str, job_id: str, done: threading.Event) -> None:
+    """Keep the lease and the running marker alive while the generation runs."""
+    while not done.wait(settings.lease_seconds / 3):
+        try:
+            lease.renew()
+            coordination.claim_running(lease.client, lineage, job_id, settings.lease_seconds)
+        except Exception:  # a broker hiccup: correctness never rests on the lease
+            log.warning("%s: lease renewal failed", lineage, exc_info=True)
 
 
 @app.task(name=RECONCILE_TASK)
@@ -149,11 +170,11 @@ def reconcile() -> list[str]:
 
 def _drain_forever() -> None:
     while True:
-        time.sleep(SPOOL_RETRY_SECONDS)
+        time.sleep(settings.spool_retry_seconds)
         try:
             pipeline().drain()
         except Exception:  # keep retrying: the spool is the only copy until it lands
-            log.exception("spool drain failed; retrying in %ds", SPOOL_RETRY_SECONDS)
+            log.exception("spool drain failed; retrying in %ss", settings.spool_retry_seconds)
 
 
 @signals.worker_init.connect

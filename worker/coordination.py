@@ -42,8 +42,16 @@ class Lease:
         self.ttl = ttl_seconds
         self.token = secrets.token_hex(16)
 
+    _RENEW = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
+    )
+
     def acquire(self) -> bool:
         return bool(self.client.set(self.key, self.token, nx=True, ex=self.ttl))
+
+    def renew(self) -> bool:
+        return bool(self.client.eval(self._RENEW, 1, self.key, self.token, self.ttl))
 
     def release(self) -> None:
         self.client.eval(self._RELEASE, 1, self.key, self.token)
@@ -58,6 +66,11 @@ def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: 
     return bool(client.set(f"{PREFIX}:inflight:{lineage}", job_id, nx=True, ex=ttl_seconds))
 
 
+def claim_running(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
+    """Mark ``job_id`` as the lineage's running job, for as long as its heartbeat lasts."""
+    client.set(f"{PREFIX}:inflight:{lineage}", job_id, ex=ttl_seconds)
+
+
 def in_flight(client: redis.Redis, lineage: str) -> str | None:
     value = client.get(f"{PREFIX}:inflight:{lineage}")
     return value.decode() if value else None
@@ -65,6 +78,15 @@ def in_flight(client: redis.Redis, lineage: str) -> str | None:
 
 def clear_in_flight(client: redis.Redis, lineage: str, job_id: str) -> None:
     client.eval(Lease._RELEASE, 1, f"{PREFIX}:inflight:{lineage}", job_id)
+
+
+def request_cancel(client: redis.Redis, lineage: str, run_id: str, ttl_seconds: int) -> None:
+    """Fast path of a cancellation; the durable record is the run object in the store."""
+    client.set(f"{PREFIX}:cancel:{lineage}:{run_id}", "1", ex=ttl_seconds)
+
+
+def cancel_requested(client: redis.Redis, lineage: str, run_id: str) -> bool:
+    return bool(client.exists(f"{PREFIX}:cancel:{lineage}:{run_id}"))
 
 
 def block(client: redis.Redis, lineage: str, reason: str, ttl_seconds: int) -> None:

@@ -74,6 +74,7 @@ class GenerationJob(BaseModel):
     provider: str = Field(min_length=1, max_length=64)
     model: str | None = Field(None, max_length=200)
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,80}$")
+    target_generation: int | None = Field(None, ge=1)
     budget_usd: Decimal | None = Field(None, ge=0, description="what the run has left")
     enqueued_at: datetime | None = None
 
@@ -155,7 +156,7 @@ class Pipeline:
         )
         started = datetime.now(UTC)
         label = f"{job.lineage}-{generation}-{hashlib.sha256(parent.encode()).hexdigest()[:8]}"
-        with self._kernel_dir(meta, generation, parent, tree, blobs) as kernel:
+        with self._kernel_dir(meta, physics, generation, parent, tree, blobs) as kernel:
             with ModelBroker(kernel / "model.sock", provider, physics, context) as broker:
                 result = run_sandbox(kernel, physics, self.ceiling, label, self.emacs)
             calls, spent = list(broker.calls), broker.spent_usd
@@ -175,7 +176,11 @@ class Pipeline:
             entry = journal.entry_no_change(generation, finished)
         else:
             subject = journal.subject_died(generation, exit_code)
-            entry = journal.entry_died(generation, exit_code, stderr_text, finished)
+            # The journal wants the last lines the organism wrote, which a cut record lacks.
+            last = result.stderr_tail if truncated else result.stderr
+            entry = journal.entry_died(
+                generation, exit_code, last.decode("utf-8", errors="replace"), finished
+            )
         entries[JOURNAL_PATH] = Entry(
             "100644", self.cache.hash_bytes(journal.append(journal_bytes, entry))
         )
@@ -245,14 +250,15 @@ class Pipeline:
 
     def drain(self, lineage: str | None = None) -> int:
         """Finish every pending publication (of one lineage); how many remain pending."""
-        remaining = 0
-        for publication in self.spool.pending(lineage):
+        pending = self.spool.pending(lineage)
+        for done, publication in enumerate(pending):
             try:
                 if not self._finish(publication):
-                    remaining += 1
+                    # The store is down: the rest would wait on it too, so stop here.
+                    return len(pending) - done
             except StaleJob:
                 continue
-        return remaining
+        return 0
 
     def _finish(self, publication: Publication) -> bool:
         """Push (compare-and-swap) then store the observation; True once both landed."""
@@ -344,6 +350,7 @@ class Pipeline:
     def _kernel_dir(
         self,
         meta: LineageMetadata,
+        physics: Physics,
         generation: int,
         parent: str,
         tree: Mapping[str, Entry],
@@ -369,7 +376,7 @@ class Pipeline:
                 )
             )
             (kernel / "capabilities.json").write_text(
-                json.dumps(capabilities(meta.physics), indent=2, default=str)
+                json.dumps(capabilities(physics), indent=2, default=str)
             )
             for name, data in self.instrument.scripts.items():
                 (kernel / name).write_bytes(data)

@@ -22,12 +22,12 @@ from pydantic import BaseModel
 
 from worker import coordination
 from worker.errors import Refusal
-from worker.generation import GenerationJob
+from worker.generation import GenerationJob, GenerationReport
 from worker.gitrepo import BRANCH_PREFIX, LineageCache
 from worker.lineage import LineageMetadata, root_metadata
 from worker.observation import LineageIndex, RunRecord, index_key, run_key
 from worker.settings import Settings
-from worker.store import ObservationStore
+from worker.store import ObservationStore, StoreUnavailable
 
 # Time for fetch, decode, commit, push and the observation after the life ends.
 PUBLICATION_MARGIN_SECONDS = 600
@@ -156,14 +156,17 @@ class Planner:
         run = self.latest_run(lineage)
         if run is None or run.status != "active":
             return None
+        coordination.request_cancel(
+            self.client, lineage, run.run_id, self.settings.visibility_timeout_seconds
+        )
         cancelled = run.model_copy(
             update={"status": "cancelled", "cancelled_at": datetime.now(UTC)}
         )
         self.save_run(cancelled)
         return cancelled
 
-    def plan(self, lineage: str) -> tuple[GenerationJob, LineageMetadata] | None:
-        """The next job of ``lineage``, or None when its run wants nothing more."""
+    def plan(self, lineage: str) -> GenerationJob | None:
+        """The next job of ``lineage`` from its durable run record (reconciler, run start)."""
         run = self.latest_run(lineage)
         if run is None or run.status != "active":
             return None
@@ -173,37 +176,62 @@ class Planner:
         progress = self.progress(run, head)
         if progress.stopped:
             return None
-        meta = root_metadata(self.cache, head, lineage)
-        job = GenerationJob(
+        return GenerationJob(
             lineage=lineage,
             expected_commit=head,
             provider=run.provider,
             model=run.model,
             run_id=run.run_id,
-            budget_usd=min(meta.physics.budget_usd, progress.remaining_usd),
+            target_generation=run.target_generation,
+            budget_usd=progress.remaining_usd,
             enqueued_at=datetime.now(UTC),
         )
-        return job, meta
+
+    def follow_up(self, job: GenerationJob, report: GenerationReport) -> GenerationJob | None:
+        """The job after ``job``, from the message alone: a down store does not stop a run."""
+        if job.run_id is None or job.target_generation is None or job.budget_usd is None:
+            return None
+        remaining = job.budget_usd - report.spent_usd
+        if report.generation >= job.target_generation or remaining <= 0:
+            return None
+        if coordination.cancel_requested(self.client, job.lineage, job.run_id):
+            return None
+        try:
+            run = self.latest_run(job.lineage)
+        except StoreUnavailable:
+            run = None  # unknown: the Redis cancel flag above is the fast path meanwhile
+        else:
+            if run is None or run.run_id != job.run_id or run.status != "active":
+                return None
+        return job.model_copy(
+            update={
+                "expected_commit": report.commit,
+                "budget_usd": remaining,
+                "enqueued_at": datetime.now(UTC),
+            }
+        )
+
+    def submit(self, job: GenerationJob) -> bool:
+        """Claim the lineage's in-flight slot and send ``job`` to its instrument's queue."""
+        meta = root_metadata(self.cache, job.expected_commit, job.lineage)
+        job_id = f"{job.lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
+        if not coordination.mark_in_flight(
+            self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds
+        ):
+            return False
+        self.send(job, job_id, queue_of(meta), hard_time_limit(meta))
+        return True
 
     def enqueue(self, lineage: str) -> GenerationJob | None:
-        """Enqueue the next generation unless one is in flight or the run is done."""
-        if coordination.in_flight(self.client, lineage) or coordination.lease_held(
-            self.client, lineage
+        """Enqueue the next generation unless one is in flight, blocked, or the run is done."""
+        if (
+            coordination.in_flight(self.client, lineage)
+            or coordination.lease_held(self.client, lineage)
+            or coordination.blocked(self.client, lineage)
         ):
             return None
-        if coordination.blocked(self.client, lineage):
-            return None
-        planned = self.plan(lineage)
-        if planned is None:
-            return None
-        job, meta = planned
-        job_id = f"{lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
-        if not coordination.mark_in_flight(
-            self.client, lineage, job_id, self.settings.inflight_ttl_seconds
-        ):
-            return None
-        self.send(job, job_id, queue_of(meta), hard_time_limit(meta))
-        return job
+        job = self.plan(lineage)
+        return job if job is not None and self.submit(job) else None
 
     def reconcile(self) -> list[str]:
         """Enqueue every lineage whose run wants more and has nothing in flight."""

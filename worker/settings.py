@@ -53,9 +53,11 @@ class Settings(BaseSettings):
     state_dir: Path | None = None
     fleet_version: str | None = None
     instrument_commit: str | None = None
-    visibility_timeout_seconds: int = Field(7200, ge=60)
-    inflight_ttl_seconds: int = Field(3600, ge=30)
-    reconcile_interval_seconds: float = Field(30.0, ge=1)
+    visibility_timeout_seconds: int = Field(7200, ge=10)
+    inflight_ttl_seconds: int = Field(3600, ge=5)
+    lease_seconds: int = Field(60, ge=3)
+    reconcile_interval_seconds: float = Field(30.0, ge=0.2)
+    spool_retry_seconds: float = Field(30.0, ge=0.2)
     web_host: str = "127.0.0.1"
     web_port: int = Field(8765, ge=1, le=65535)
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: a private Redis on a Unix socket, a local
+# bare repository and a file observation store under $OUROBOROS_HOME; two worker
+# processes; three new lineages run for a few generations with the offline
+# `scripted` model stand-in while progress is shown; then their journals, where to
+# browse them, and a clean shutdown of everything it started.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export OUROBOROS_HOME="${OUROBOROS_HOME:-$PWD/.ouroboros}"
+export OUROBOROS_MODEL_PROVIDER="${OUROBOROS_MODEL_PROVIDER:-scripted}"
+generations="${DEMO_GENERATIONS:-4}"
+bin="$PWD/.venv/bin"
+logs="$OUROBOROS_HOME/logs"
+mkdir -p "$logs"
+
+workers=()
+shutdown() {
+  for pid in "${workers[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${workers[@]}"; do wait "$pid" 2>/dev/null || true; done
+  if [ -S "$OUROBOROS_HOME/redis/redis.sock" ]; then
+    redis-cli -s "$OUROBOROS_HOME/redis/redis.sock" shutdown >/dev/null 2>&1 || true
+  fi
+  echo "demo: workers and the embedded Redis are stopped" >&2
+}
+trap shutdown EXIT
+
+stamp=$(date +%Y%m%d-%H%M%S)
+names=("demo-$stamp-a" "demo-$stamp-b" "demo-$stamp-c")
+for name in "${names[@]}"; do
+  "$bin/schedule-lineage" init "$name" --wall 60 --cpu-seconds 30 --memory-max 512M
+done
+
+for n in 1 2; do
+  "$bin/celery" -A worker worker --concurrency 1 -n "demo$n@%h" --loglevel INFO \
+    --logfile "$logs/worker-$n.log" >/dev/null 2>&1 &
+  workers+=("$!")
+done
+
+"$bin/schedule-lineage" run "${names[@]}" --generations "$generations" --follow
+"$bin/schedule-lineage" status "${names[@]}"
+
+for name in "${names[@]}"; do
+  echo
+  echo "=== journal of $name ==="
+  "$bin/schedule-lineage" journal "$name"
+done
+
+cat <<INFO
+
+Browse these lineages:
+  $bin/schedule-lineage serve                     # web UI on http://127.0.0.1:8765
+  $bin/schedule-lineage observations ${names[0]}
+  git --git-dir=$OUROBOROS_HOME/lineages.git log --oneline lineage-${names[0]}
+  ls $OUROBOROS_HOME/observations/lineages/${names[0]}/generations
+Worker logs: $logs
+INFO

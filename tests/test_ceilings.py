@@ -1,0 +1,506 @@
+"""The aggregate resource scope: each driver, the preflight and the refusal.
+
+cgroup1 is exercised for real (this kind of host has writable cgroup v1); cgroup2 against
+a directory tree standing in for cgroupfs, plus its availability on the real host;
+systemd through stand-in ``systemd-run``/``systemctl`` executables on PATH, as the seed
+test does. Every real scope a test opens is closed by it, and the fixtures check that no
+cgroup directory or process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from worker.ceilings import CeilingError, select_ceiling
+from worker.ceilings.base import SCOPE_PARENT, join_command, own_cgroup_dirs
+from worker.ceilings.cgroup1 import CONTROLLERS as V1_CONTROLLERS
+from worker.ceilings.cgroup1 import Cgroup1Ceiling
+from worker.ceilings.cgroup2 import Cgroup2Ceiling
+from worker.ceilings.systemd import SystemdCeiling
+from worker.errors import Refusal
+from worker.physics import Physics
+
+STANDINS = Path(__file__).parent / "standins"
+MINIMAL_ENV = {"PATH": "/usr/bin:/bin"}
+
+
+def leftovers(label: str) -> list[str]:
+    """Scope directories and processes of ``label`` still present on this host."""
+    found = [
+        str(path)
+        for parent in own_cgroup_dirs().values()
+        for path in (parent / SCOPE_PARENT).glob(f"{label}-*")
+    ]
+    for cgroup in Path("/proc").glob("[0-9]*/cgroup"):
+        try:
+            if f"/{SCOPE_PARENT}/{label}-" in cgroup.read_text():
+                found.append(str(cgroup.parent))
+        except OSError:
+            continue  # the process ended while we looked
+    return found
+
+
+@pytest.fixture(name="label")
+def label_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A scope label unique to the test; afterwards, nothing of it may remain."""
+    name = f"t-{request.node.name[:40].replace('[', '-').replace(']', '')}"
+    yield name
+    assert leftovers(name) == []
+
+
+@pytest.fixture(name="standins")
+def standins_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory of stand-in systemd executables first on PATH; configure it with files."""
+    directory = tmp_path / "standins"
+    directory.mkdir()
+    for name in ("systemd-run", "systemctl"):
+        shutil.copy(STANDINS / name, directory / name)
+        (directory / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{directory}:/usr/bin:/bin")
+    return directory
+
+
+def logged_calls(path: Path) -> list[list[str]]:
+    """The argv of every call a stand-in recorded, in order."""
+    calls: list[list[str]] = [[]]
+    for line in path.read_text().splitlines():
+        if line == "----":
+            calls.append([])
+        else:
+            calls[-1].append(line)
+    return calls[:-1]
+
+
+# --- cgroup1, for real ----------------------------------------------------------------------
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_cgroup1_scope_holds_the_cpu_memory_and_task_ceilings(label: str) -> None:
+    with Cgroup1Ceiling().open(Physics(), label) as enclosure:
+        cpu, memory, pids = (enclosure.directories[c] for c in ("cpu", "memory", "pids"))
+        assert (cpu / "cpu.cfs_period_us").read_text().strip() == "100000"
+        assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "20000"  # 120 s of 600 s
+        assert int((memory / "memory.limit_in_bytes").read_text()) == 1024**3
+        memsw = memory / "memory.memsw.limit_in_bytes"
+        if memsw.exists():  # memory plus swap, and the default swap ceiling is 0
+            assert int(memsw.read_text()) == 1024**3
+        assert (pids / "pids.max").read_text().strip() == "64"
+        assert all(d.parent.name == SCOPE_PARENT for d in enclosure.directories.values())
+        assert all(d.name.startswith(f"{label}-") for d in enclosure.directories.values())
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_cgroup1_command_runs_inside_the_scope_and_figures_name_their_sources(
+    label: str,
+) -> None:
+    with Cgroup1Ceiling().open(Physics(), label) as enclosure:
+        done = subprocess.run(
+            enclosure.command(
+                [
+                    "/bin/sh",
+                    "-c",
+                    "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; cat /proc/self/cgroup",
+                ]
+            ),
+            capture_output=True,
+            text=True,
+            env=MINIMAL_ENV,
+            check=True,
+        )
+        lines = {line.split(":")[1]: line.split(":", 2)[2] for line in done.stdout.splitlines()}
+        for controller in V1_CONTROLLERS:
+            inside = next(path for names, path in lines.items() if controller in names.split(","))
+            assert inside.endswith(f"/{SCOPE_PARENT}/{enclosure.directories[controller].name}")
+        figures = enclosure.figures()
+    assert figures.driver == "cgroup1"
+    assert figures.result == "exited"
+    assert figures.cpu_usage_nsec and figures.cpu_usage_nsec > 0
+    assert figures.memory_peak_bytes and figures.memory_peak_bytes > 0
+    assert figures.oom_kills == 0
+    assert figures.sources["cpu_usage_nsec"] == "cgroup1:cpuacct.usage"
+    assert figures.sources["memory_peak_bytes"] == "cgroup1:memory.max_usage_in_bytes"
+    assert figures.sources["oom_kills"] == "cgroup1:memory.oom_control oom_kill"
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_cgroup1_kill_ends_every_process_in_the_scope(label: str) -> None:
+    with Cgroup1Ceiling().open(Physics(), label) as enclosure:
+        process = subprocess.Popen(
+            enclosure.command(["/bin/sh", "-c", "sleep 300 & sleep 300 & wait"]),
+            env=MINIMAL_ENV,
+        )
+        procs = enclosure.directories["pids"] / "cgroup.procs"
+        deadline = time.monotonic() + 30
+        while len(procs.read_text().split()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(procs.read_text().split()) == 3
+        enclosure.kill()
+        assert procs.read_text() == ""
+        assert process.wait(timeout=30) == -9
+        assert enclosure.figures().result == "killed"
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_cgroup1_memory_past_the_ceiling_is_counted_as_an_oom_kill(label: str) -> None:
+    physics = Physics(memory_max_bytes="32M")
+    with Cgroup1Ceiling().open(physics, label) as enclosure:
+        done = subprocess.run(
+            enclosure.command([sys.executable, "-c", "x = b'x' * (256 << 20)"]),
+            capture_output=True,
+            env=MINIMAL_ENV,
+        )
+        figures = enclosure.figures()
+    assert done.returncode == -9
+    assert figures.oom_kills >= 1
+    assert figures.result == "oom-kill"
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_cgroup1_close_is_idempotent_and_one_label_opens_two_scopes(label: str) -> None:
+    ceiling = Cgroup1Ceiling()
+    first, second = ceiling.open(Physics(), label), ceiling.open(Physics(), label)
+    assert first.directories["memory"] != second.directories["memory"]
+    for enclosure in (first, second):
+        enclosure.close()
+        enclosure.close()
+        assert not any(d.exists() for d in enclosure.directories.values())
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_a_scope_nothing_joined_is_a_host_fault_not_a_figure(label: str) -> None:
+    with Cgroup1Ceiling().open(Physics(), label) as enclosure:
+        subprocess.run(["/bin/true"], check=True)  # ran outside the scope
+        with pytest.raises(CeilingError, match="could not join"):
+            enclosure.figures()
+
+
+def test_joining_a_missing_cgroup_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    done = subprocess.run(
+        join_command([tmp_path / "missing"], ["/bin/touch", str(marker)]),
+        capture_output=True,
+        env=MINIMAL_ENV,
+    )
+    assert done.returncode == 125
+    assert not marker.exists()
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_a_scope_left_by_a_killed_worker_is_removed_by_the_next_one(label: str) -> None:
+    dead = subprocess.run(["/bin/sh", "-c", "echo $$"], capture_output=True, text=True)
+    memory = own_cgroup_dirs()["memory"] / SCOPE_PARENT
+    memory.mkdir(exist_ok=True)
+    debris = memory / f"{label}-{int(dead.stdout)}-0badc0de"
+    live_creator = memory / f"{label}-{os.getpid()}-0badc0de"
+    debris.mkdir()
+    live_creator.mkdir()
+    try:
+        with Cgroup1Ceiling().open(Physics(), label):
+            assert not debris.exists()
+            assert live_creator.exists()  # its creator (this process) may still close it
+    finally:
+        live_creator.rmdir()
+
+
+def test_cgroup1_is_unavailable_without_a_pids_hierarchy(tmp_path: Path) -> None:
+    parents = {c: tmp_path for c in ("cpu", "cpuacct", "memory")}
+    reason = Cgroup1Ceiling(parents).unavailable_reason()
+    assert reason is not None and "pids" in reason
+
+
+def test_own_cgroups_are_found_below_each_mounts_root(tmp_path: Path) -> None:
+    mountinfo, cgroup = tmp_path / "mountinfo", tmp_path / "cgroup"
+    mountinfo.write_text(
+        "30 25 0:26 /docker/abc /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+        "31 25 0:27 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+        "32 25 0:28 /elsewhere /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n"
+        "33 25 0:29 / /sys/fs/cgroup/uni\\040fied rw - cgroup2 cgroup2 rw\n"
+    )
+    cgroup.write_text(
+        "3:cpu,cpuacct:/docker/abc/job\n4:memory:/docker/abc\n5:pids:/docker/abc\n0::/w\n"
+    )
+    assert own_cgroup_dirs(mountinfo, cgroup) == {
+        "cpu": Path("/sys/fs/cgroup/cpu,cpuacct/job"),
+        "cpuacct": Path("/sys/fs/cgroup/cpu,cpuacct/job"),
+        "memory": Path("/sys/fs/cgroup/memory/docker/abc"),
+        # pids is mounted from a root this process's cgroup is not below: unreachable.
+        "": Path("/sys/fs/cgroup/uni fied/w"),
+    }
+
+
+# --- cgroup2, against a stand-in tree -------------------------------------------------------
+
+
+@pytest.fixture
+def fake_v2(tmp_path: Path) -> Path:
+    """A directory standing in for this process's cgroup in a delegating v2 hierarchy."""
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (own / "cgroup.subtree_control").write_text("\n")
+    return own
+
+
+def test_cgroup2_availability_follows_the_hosts_controllers() -> None:
+    own = own_cgroup_dirs().get("")
+    offered = (own / "cgroup.controllers").read_text().split() if own else []
+    reason = Cgroup2Ceiling().unavailable_reason()
+    missing = [c for c in ("cpu", "memory", "pids") if c not in offered]
+    if missing:  # this kind of host: the controllers are bound to the v1 hierarchies
+        assert reason is not None and " ".join(missing) in reason
+    else:
+        assert reason is None
+
+
+def test_cgroup2_is_unavailable_when_controllers_are_not_offered(fake_v2: Path) -> None:
+    (fake_v2 / "cgroup.controllers").write_text("hugetlb\n")
+    reason = Cgroup2Ceiling(fake_v2).unavailable_reason()
+    assert reason is not None and "cpu memory pids" in reason and "hugetlb" in reason
+
+
+def test_cgroup2_scope_delegates_controllers_and_holds_the_ceilings(fake_v2: Path) -> None:
+    physics = Physics(memory_max_bytes="512M", tasks_max=32)
+    enclosure = Cgroup2Ceiling(fake_v2).open(physics, "v2")
+    scope = enclosure.directory
+    assert scope.parent == fake_v2 / SCOPE_PARENT
+    for delegating in (fake_v2, fake_v2 / SCOPE_PARENT):
+        assert (delegating / "cgroup.subtree_control").read_text() == "+cpu +memory +pids\n"
+    assert (scope / "cpu.max").read_text() == "20000 100000\n"
+    assert (scope / "memory.max").read_text() == f"{512 * 1024**2}\n"
+    assert (scope / "pids.max").read_text() == "32\n"
+    # Without swap accounting the kernel has no memory.swap.max; nothing is invented.
+    assert not (scope / "memory.swap.max").exists()
+
+
+def test_cgroup2_command_joins_the_scope_before_exec(fake_v2: Path) -> None:
+    enclosure = Cgroup2Ceiling(fake_v2).open(Physics(), "v2")
+    done = subprocess.run(
+        enclosure.command(["/bin/sh", "-c", "echo $$"]),
+        capture_output=True,
+        text=True,
+        env=MINIMAL_ENV,
+        check=True,
+    )
+    # The joining shell execs the command, so the pid it wrote is the command's own.
+    assert (enclosure.directory / "cgroup.procs").read_text() == done.stdout
+
+
+def test_cgroup2_figures_come_from_cpu_stat_memory_peak_and_memory_events(
+    fake_v2: Path,
+) -> None:
+    enclosure = Cgroup2Ceiling(fake_v2).open(Physics(), "v2")
+    scope = enclosure.directory
+    (scope / "cpu.stat").write_text("usage_usec 1500\nuser_usec 1000\nsystem_usec 500\n")
+    (scope / "memory.peak").write_text("4194304\n")
+    (scope / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\n")
+    figures = enclosure.figures()
+    assert figures.driver == "cgroup2"
+    assert figures.result == "oom-kill"
+    assert figures.cpu_usage_nsec == 1_500_000
+    assert figures.memory_peak_bytes == 4194304
+    assert figures.oom_kills == 2
+    assert figures.sources["cpu_usage_nsec"] == "cgroup2:cpu.stat usage_usec"
+    assert figures.sources["memory_peak_bytes"] == "cgroup2:memory.peak"
+    assert figures.sources["oom_kills"] == "cgroup2:memory.events oom_kill"
+
+
+def test_cgroup2_kill_writes_cgroup_kill_and_close_removes_the_scope(fake_v2: Path) -> None:
+    enclosure = Cgroup2Ceiling(fake_v2).open(Physics(), "v2")
+    scope = enclosure.directory
+    procs, kill = scope / "cgroup.procs", scope / "cgroup.kill"
+    procs.write_text("4242\n4243\n")
+
+    def kernel() -> None:  # what the kernel does on a write to cgroup.kill
+        while not kill.exists():
+            time.sleep(0.01)
+        procs.write_text("")
+
+    threading.Thread(target=kernel, daemon=True).start()
+    enclosure.kill()
+    assert kill.read_text() == "1\n"
+    for name in (
+        "cpu.max",
+        "memory.max",
+        "pids.max",
+        "cgroup.procs",
+        "cgroup.kill",
+        "cgroup.subtree_control",
+    ):
+        (scope / name).unlink(missing_ok=True)
+    enclosure.close()
+    enclosure.close()
+    assert not scope.exists()
+
+
+def test_cgroup2_open_explains_a_cgroup_that_cannot_delegate(fake_v2: Path) -> None:
+    (fake_v2 / "cgroup.subtree_control").unlink()
+    # Readable, and refuses writes even from root, as the kernel does with EBUSY here.
+    (fake_v2 / "cgroup.subtree_control").symlink_to("/proc/version")
+    with pytest.raises(CeilingError, match="cannot delegate controllers"):
+        Cgroup2Ceiling(fake_v2).open(Physics(), "v2")
+
+
+# --- systemd, through stand-ins ---------------------------------------------------------
+
+
+def test_systemd_is_unavailable_when_no_user_manager_answers(standins: Path) -> None:
+    (standins / "no-manager").touch()
+    reason = SystemdCeiling().unavailable_reason()
+    assert reason is not None and "no systemd user manager answers" in reason
+
+
+def test_systemd_before_254_is_unavailable_for_lack_of_expand_environment(
+    standins: Path,
+) -> None:
+    (standins / "version").write_text("252\n")
+    reason = SystemdCeiling().unavailable_reason()
+    assert reason is not None and "252" in reason and "254" in reason
+
+
+def test_systemd_unit_carries_the_ceilings_as_properties(standins: Path) -> None:
+    ceiling = SystemdCeiling()
+    assert ceiling.unavailable_reason() is None
+    enclosure = ceiling.open(Physics(), "lineage-1")
+    subprocess.run(enclosure.command(["/bin/true"]), env=MINIMAL_ENV, check=True)
+    (arguments,) = logged_calls(standins / "systemd-run.args")
+    for expected in (
+        "--user",
+        "--wait",
+        "--pipe",
+        "--expand-environment=no",
+        "CPUQuota=20%",
+        "MemoryMax=1G",
+        "MemorySwapMax=0",
+        "TasksMax=64",
+        "RuntimeMaxSec=600",
+        "KillMode=control-group",
+    ):
+        assert expected in arguments
+    assert f"--unit={enclosure.unit}" in arguments
+    assert enclosure.unit.startswith("ouroboros-lineage-1-") and enclosure.unit.endswith(".service")
+    # The service gets an environment of PATH alone, whatever the user manager holds.
+    command = arguments[arguments.index("--") + 1 :]
+    assert command[1:] == ["-i", "PATH=/usr/bin:/bin", "/bin/true"]
+
+
+def test_systemd_figures_are_read_back_with_systemctl_show(standins: Path) -> None:
+    (standins / "show").write_text(
+        "Result=oom-kill\nExecMainCode=2\nExecMainStatus=9\n"
+        "CPUUsageNSec=12000000\nMemoryPeak=4194304\nOOMKills=1\n"
+    )
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    figures = enclosure.figures()
+    (show,) = logged_calls(standins / "systemctl.args")
+    assert show[show.index("show") :] == [
+        "show",
+        enclosure.unit,
+        "-p",
+        "Result,ExecMainCode,ExecMainStatus,CPUUsageNSec,MemoryPeak,OOMKills",
+    ]
+    assert figures.driver == "systemd"
+    assert figures.result == "oom-kill"
+    assert (figures.cpu_usage_nsec, figures.memory_peak_bytes, figures.oom_kills) == (
+        12000000,
+        4194304,
+        1,
+    )
+    assert figures.sources["memory_peak_bytes"] == "systemd:MemoryPeak"
+
+
+def test_systemd_figures_a_manager_does_not_report_are_named_so(standins: Path) -> None:
+    (standins / "show").write_text("Result=success\nCPUUsageNSec=[not set]\n")
+    figures = SystemdCeiling().open(Physics(), "lineage-1").figures()
+    assert figures.cpu_usage_nsec is None and figures.memory_peak_bytes is None
+    assert figures.oom_kills == 0
+    assert figures.sources["cpu_usage_nsec"] == "systemd:CPUUsageNSec not set"
+    assert figures.sources["oom_kills"] == "systemd:OOMKills not reported by this systemd"
+
+
+def test_systemd_kill_and_close_kill_stop_and_reset_the_unit(standins: Path) -> None:
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    enclosure.kill()
+    enclosure.close()
+    enclosure.close()
+    verbs = [call[2:] for call in logged_calls(standins / "systemctl.args")]
+    assert verbs == [
+        ["kill", "--signal=SIGKILL", enclosure.unit],
+        ["stop", enclosure.unit],
+        ["reset-failed", enclosure.unit],
+    ]
+
+
+# --- choosing a driver ----------------------------------------------------------------------
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_auto_chooses_cgroup1_on_a_host_without_systemd_or_cgroup2_controllers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert SystemdCeiling().unavailable_reason() is not None
+    assert Cgroup2Ceiling().unavailable_reason() is not None
+    assert select_ceiling("auto").name == "cgroup1"
+    assert leftovers("probe") == []
+
+
+def test_auto_prefers_systemd_when_a_user_manager_answers(standins: Path) -> None:
+    ceiling = select_ceiling("auto")
+    assert ceiling.name == "systemd"
+    # The preflight ran a probe unit and cleaned it up.
+    (probe,) = logged_calls(standins / "systemd-run.args")
+    assert probe[-1] == "/bin/true"
+
+
+def test_scope_failure_is_preflight_not_an_organism_death(standins: Path) -> None:
+    (standins / "fail").touch()
+    with pytest.raises(Refusal) as refused:
+        select_ceiling("systemd")
+    message = str(refused.value)
+    assert "aggregate resource scope" in message
+    assert "systemd: probe scope exited 1" in message
+    assert "\n" not in message
+
+
+def test_forced_driver_that_cannot_work_is_refused_with_its_reason() -> None:
+    with pytest.raises(Refusal) as refused:
+        select_ceiling("cgroup2")
+    message = str(refused.value)
+    assert "the aggregate resource scope cannot be set up" in message
+    assert "cgroup2: " in message and "systemd:" not in message
+    assert "no unbounded fallback" in message
+
+
+def test_no_working_driver_is_refused_with_every_drivers_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setattr(Cgroup1Ceiling, "unavailable_reason", lambda _self: "off for this test")
+    with pytest.raises(Refusal) as refused:
+        select_ceiling("auto")
+    message = str(refused.value)
+    assert "the aggregate resource scope" in message
+    for reason in ("systemd: ", "cgroup2: ", "cgroup1: off for this test"):
+        assert reason in message
+    assert "--ceiling" in message and "\n" not in message
+
+
+def test_unknown_driver_name_is_refused() -> None:
+    with pytest.raises(Refusal, match="unknown ceiling 'docker'"):
+        select_ceiling("docker")

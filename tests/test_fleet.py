@@ -1,0 +1,496 @@
+"""The fleet: real Celery worker processes on real Redis advancing lineages exactly once.
+
+Every test runs real ``celery -A worker worker`` processes against Redis on
+127.0.0.1:6379 (a private database each) or a private redis-server it can kill,
+the real pipeline (bwrap, Emacs, cgroups, git) and a file or moto-S3 observation
+store, and checks the durable records: commits on the shared repository and
+observation objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+import redis
+from lineage_support import SMALL_PHYSICS, Fleet, Worker, free_port, seed_file, wait_for
+
+from worker.instrument import PACKAGE_ROOT, package_version
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
+
+_databases = itertools.count()
+SLOW = "(sleep-for {seconds})\n"
+WRITES_STATE = '(with-temp-file "/work/state.el" (insert (format "%S" (random))))\n'
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A private, empty database on the machine's Redis."""
+    url = f"redis://127.0.0.1:6379/{1 + next(_databases) % 15}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_url: str) -> Fleet:
+    return Fleet(
+        tmp_path,
+        OUROBOROS_BROKER_URL=redis_url,
+        OUROBOROS_LEASE_SECONDS="6",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
+    )
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+def start(fleet: Fleet, workers: list[Worker], name: str, **env: str) -> Worker:
+    worker = Worker(fleet, name, **env)
+    workers.append(worker)
+    worker.wait_ready()
+    return worker
+
+
+def background(fleet: Fleet, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "scheduler", *args],
+        env=fleet.env,
+        cwd=fleet.home,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def generations(fleet: Fleet, lineage: str) -> list[str]:
+    return [s for s in fleet.subjects(lineage) if s.startswith("gen ")]
+
+
+def assert_linear(fleet: Fleet, lineage: str, count: int) -> None:
+    subjects = generations(fleet, lineage)
+    assert [s.split(":")[0] for s in subjects] == [f"gen {n}" for n in range(count, 0, -1)]
+    assert fleet.git("rev-list", "--merges", f"lineage-{lineage}").strip() == ""
+    assert fleet.observation_numbers(lineage) == list(range(1, count + 1))
+
+
+def test_two_workers_advance_four_lineages_exactly_once(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    names = ["one", "two", "three", "four"]
+    for name in names:
+        seed = seed_file(fleet.home, SLOW.format(seconds=0.3) + WRITES_STATE, f"{name}.el")
+        fleet.ok("init", name, "--seed", str(seed), *SMALL_PHYSICS)
+    start(fleet, workers, "w1")
+    start(fleet, workers, "w2")
+    fleet.ok("run", *names, "--generations", "3", "--wait")
+    for name in names:
+        assert_linear(fleet, name, 3)
+    assert sum(len(generations(fleet, name)) for name in names) == 12
+    status = json.loads(fleet.ok("status", "--json").stdout)
+    assert {row["lineage"]: row["stopped"] for row in status} == dict.fromkeys(
+        names, "target reached"
+    )
+    assert all(row["observation_backlog"] == 0 for row in status)
+    for worker in workers:
+        assert "Traceback" not in worker.text()
+
+
+def test_sigkill_mid_generation_lands_that_generation_exactly_once(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    seed = seed_file(fleet.home, SLOW.format(seconds=4) + WRITES_STATE)
+    fleet.ok("init", "survivor", "--seed", str(seed), *SMALL_PHYSICS)
+    victim = start(fleet, workers, "victim", OUROBOROS_VISIBILITY_TIMEOUT_SECONDS="15")
+    fleet.ok("run", "survivor", "--generations", "1")
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    wait_for(lambda: client.exists("ouroboros:lease:survivor"), 60, "the generation to start")
+    time.sleep(1.5)
+    victim.kill()
+    assert generations(fleet, "survivor") == []
+    start(fleet, workers, "heir", OUROBOROS_VISIBILITY_TIMEOUT_SECONDS="15")
+    reconciler = background(fleet, "reconcile", "--loop")
+    try:
+        wait_for(lambda: len(generations(fleet, "survivor")) == 1, 180, "generation 1 to land")
+        wait_for(lambda: fleet.observation_numbers("survivor") == [1], 60, "its observation")
+        # Let the killed worker's redelivered message and the reconciler have their go.
+        time.sleep(20)
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+    assert_linear(fleet, "survivor", 1)
+
+
+class Switch:
+    """A TCP forwarder to the S3 endpoint that can refuse every connection, like a dead store."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+
+def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
+    tmp_path: Path, redis_url: str, s3_endpoint: str, workers: list[Worker]
+) -> None:
+    bucket = f"outage-{int(time.time() * 1000)}"
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    switch = Switch(int(s3_endpoint.rsplit(":", 1)[1]))
+    fleet = Fleet(
+        tmp_path,
+        OUROBOROS_BROKER_URL=redis_url,
+        OUROBOROS_OBSERVATIONS=f"s3://{bucket}/fleet",
+        OUROBOROS_S3_ENDPOINT_URL=f"http://127.0.0.1:{switch.port}",
+        OUROBOROS_S3_REGION="us-east-1",
+        OUROBOROS_LEASE_SECONDS="6",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        AWS_ACCESS_KEY_ID="ouroboros-test-key-id",
+        AWS_SECRET_ACCESS_KEY="ouroboros-test-secret",
+    )
+
+    def stored() -> list[str]:
+        listing = s3.list_objects_v2(Bucket=bucket, Prefix="fleet/lineages/patient/generations/")
+        return sorted(item["Key"] for item in listing.get("Contents", []))
+
+    seed = seed_file(fleet.home, SLOW.format(seconds=2) + WRITES_STATE)
+    fleet.ok("init", "patient", "--seed", str(seed), *SMALL_PHYSICS)
+    start(fleet, workers, "w1")
+    fleet.ok("run", "patient", "--generations", "3")
+    switch.down()
+    try:
+        wait_for(lambda: len(generations(fleet, "patient")) == 3, 180, "three commits")
+        assert len(stored()) < 3
+    finally:
+        switch.up()
+    wait_for(lambda: len(stored()) == 3, 120, "the pending observations to land")
+    assert [key.rsplit("/", 1)[1] for key in stored()] == [
+        "000001.json",
+        "000002.json",
+        "000003.json",
+    ]
+    switch.down()
+
+
+def test_hand_commit_during_a_generation_discards_the_stale_result(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    from test_pipeline import push_hand_commit
+
+    seed = seed_file(fleet.home, SLOW.format(seconds=3) + WRITES_STATE)
+    fleet.ok("init", "edited", "--seed", str(seed), *SMALL_PHYSICS)
+    start(fleet, workers, "w1")
+    fleet.ok("run", "edited", "--generations", "2")
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    wait_for(lambda: client.exists("ouroboros:lease:edited"), 60, "the generation to start")
+    push_hand_commit(fleet, "edited", {"notes.txt": "by hand\n"}, "external edit: notes")
+    hand = fleet.git("rev-parse", "lineage-edited").strip()
+    wait_for(lambda: len(generations(fleet, "edited")) == 2, 180, "two generations")
+    subjects = fleet.subjects("edited")
+    assert [s.split(":")[0] for s in subjects] == ["gen 2", "gen 1", "external edit", "seed"]
+    assert fleet.observation("edited", 1)["parent_commit"] == hand
+    assert fleet.observation_numbers("edited") == [1, 2]
+    assert "notes.txt" in fleet.files("edited")
+
+
+SEND_TWICE = """
+import sys
+from worker.celery import send_job
+from worker.generation import GenerationJob
+from worker.planner import queue_of
+from worker.assembly import lineage_cache
+from worker.settings import Settings
+from worker.lineage import root_metadata
+cache = lineage_cache(Settings())
+head = cache.fetch(sys.argv[1])
+queue = queue_of(root_metadata(cache, head, sys.argv[1]))
+job = GenerationJob(lineage=sys.argv[1], expected_commit=head, provider="scripted")
+for task_id in ("twin-a", "twin-b"):
+    send_job(job, task_id, queue, 600)
+"""
+
+
+def test_the_same_job_delivered_twice_makes_one_commit(fleet: Fleet, workers: list[Worker]) -> None:
+    seed = seed_file(fleet.home, SLOW.format(seconds=1) + WRITES_STATE)
+    fleet.ok("init", "twin", "--seed", str(seed), *SMALL_PHYSICS)
+    first = start(fleet, workers, "w1")
+    second = start(fleet, workers, "w2")
+    subprocess.run(
+        [sys.executable, "-c", SEND_TWICE, "twin"], env=fleet.env, cwd=fleet.home, check=True
+    )
+
+    def both_done() -> bool:
+        logs = first.text() + second.text()
+        return all(f"[{task}] succeeded" in logs for task in ("twin-a", "twin-b"))
+
+    wait_for(both_done, 120, "both deliveries to finish")
+    assert_linear(fleet, "twin", 1)
+
+
+def test_redis_restarted_with_data_lost_mid_run_recovers_every_run(
+    tmp_path: Path, workers: list[Worker]
+) -> None:
+    port = free_port()
+    data = tmp_path / "redis-data"
+    data.mkdir()
+
+    def redis_server() -> subprocess.Popen[bytes]:
+        server = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(data),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=port)
+        wait_for(lambda: _pings(client), 30, "redis to start")
+        return server
+
+    server = redis_server()
+    fleet = Fleet(
+        tmp_path,
+        OUROBOROS_BROKER_URL=f"redis://127.0.0.1:{port}/0",
+        OUROBOROS_LEASE_SECONDS="6",
+        OUROBOROS_INFLIGHT_TTL_SECONDS="20",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
+    )
+    names = ["left", "right"]
+    for name in names:
+        seed = seed_file(fleet.home, SLOW.format(seconds=1) + WRITES_STATE, f"{name}.el")
+        fleet.ok("init", name, "--seed", str(seed), *SMALL_PHYSICS)
+    start(fleet, workers, "w1")
+    start(fleet, workers, "w2")
+    reconciler = background(fleet, "reconcile", "--loop")
+    try:
+        fleet.ok("run", *names, "--generations", "4")
+        wait_for(
+            lambda: all(len(generations(fleet, n)) >= 1 for n in names), 120, "first generations"
+        )
+        server.kill()
+        server.wait()
+        server = redis_server()
+        wait_for(
+            lambda: all(len(generations(fleet, n)) == 4 for n in names), 300, "every run to finish"
+        )
+        time.sleep(3)
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+        for worker in workers:
+            worker.stop()
+        server.kill()
+        server.wait()
+    for name in names:
+        assert_linear(fleet, name, 4)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+MALFORMED = """
+import sys
+from kombu import Connection, Exchange, Producer
+from worker.celery import app, send_job, GENERATION_TASK
+queue = sys.argv[1]
+hostile = [
+    {"lineage": "../../etc", "expected_commit": "0" * 40, "provider": "scripted"},
+    {"lineage": "ok", "expected_commit": "not-hex", "provider": "scripted", "extra": 1},
+    "a string, not a job",
+]
+for number, payload in enumerate(hostile):
+    app.send_task(GENERATION_TASK, kwargs={"payload": payload}, queue=queue,
+                  task_id=f"hostile-{number}")
+with Connection(app.conf.broker_url) as connection:
+    Producer(connection).publish(
+        {"payload": {}}, serializer="pickle", routing_key=queue, exchange=Exchange(queue),
+        headers={"task": GENERATION_TASK, "id": "pickled"}, declare=[],
+    )
+"""
+
+
+def test_malformed_messages_are_rejected_and_the_worker_keeps_serving(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    seed = seed_file(fleet.home, WRITES_STATE)
+    fleet.ok("init", "sturdy", "--seed", str(seed), *SMALL_PHYSICS)
+    worker = start(fleet, workers, "w1")
+    queue = (
+        "gen."
+        + json.loads(fleet.show("sturdy", ".ouroboros-lineage.json"))["instrument_fingerprint"][:12]
+    )
+    subprocess.run(
+        [sys.executable, "-c", MALFORMED, queue], env=fleet.env, cwd=fleet.home, check=True
+    )
+    wait_for(lambda: worker.text().count("rejected malformed job") >= 3, 60, "three rejections")
+    fleet.ok("run", "sturdy", "--generations", "1", "--wait")
+    assert worker.process.poll() is None
+    assert_linear(fleet, "sturdy", 1)
+    log = worker.text()
+    assert "expected_commit" in log and "lineage" in log
+
+
+def test_a_version_mismatch_is_refused_at_start(fleet: Fleet) -> None:
+    worker = Worker(fleet, "old", OUROBOROS_FLEET_VERSION="9.9.9")
+    try:
+        assert worker.process.wait(timeout=60) == 2
+    finally:
+        worker.stop()
+    text = worker.text()
+    assert "9.9.9" in text
+    assert package_version() in text
+    assert "Traceback" not in text
+
+
+def test_budget_exhaustion_stops_a_run_and_status_says_why(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "thrifty", *SMALL_PHYSICS)
+    start(fleet, workers, "w1")
+    fleet.ok("run", "thrifty", "--generations", "50", "--budget-usd", "0.012", "--wait")
+    rows = json.loads(fleet.ok("status", "thrifty", "--json").stdout)
+    assert rows[0]["stopped"] == "budget exhausted"
+    assert 1 <= rows[0]["done"] < 50
+    assert float(rows[0]["spent_usd"]) <= 0.012
+
+
+def test_cancel_stops_a_run_after_the_generation_in_flight(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    seed = seed_file(fleet.home, SLOW.format(seconds=1) + WRITES_STATE)
+    fleet.ok("init", "halted", "--seed", str(seed), *SMALL_PHYSICS)
+    start(fleet, workers, "w1")
+    fleet.ok("run", "halted", "--generations", "50")
+    wait_for(lambda: len(generations(fleet, "halted")) >= 1, 60, "a first generation")
+    fleet.ok("cancel", "halted")
+    time.sleep(5)
+    done = len(generations(fleet, "halted"))
+    time.sleep(4)
+    assert len(generations(fleet, "halted")) == done < 50
+    rows = json.loads(fleet.ok("status", "halted", "--json").stdout)
+    assert rows[0]["stopped"] == "cancelled"
+
+
+IMMUTABLE_CHECK = """
+import os, sys
+from worker.instrument import WORKER_MODULES, current
+instrument = current()
+missing = [name for name in WORKER_MODULES if name not in sys.modules]
+assert not missing, missing
+assert sys.dont_write_bytecode is True
+assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"
+assert set(instrument.scripts) == {"stage.sh"} and instrument.seed.startswith(b";;;")
+print(instrument.fingerprint)
+"""
+
+
+def test_worker_loads_every_module_eagerly_and_writes_no_bytecode(tmp_path: Path) -> None:
+    copy = copy_instrument(tmp_path / "instrument")
+    result = subprocess.run(
+        [sys.executable, "-c", IMMUTABLE_CHECK],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(copy)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.strip()) == 64
+    assert not list(copy.rglob("__pycache__"))
+
+
+def test_running_worker_is_immune_to_its_files_being_overwritten(
+    fleet: Fleet, workers: list[Worker], tmp_path: Path
+) -> None:
+    copy = copy_instrument(tmp_path / "instrument")
+    fleet.ok("init", "steady", *SMALL_PHYSICS)
+    start(fleet, workers, "w1", PYTHONPATH=str(copy))
+    fleet.ok("run", "steady", "--generations", "1", "--wait")
+    for path in [*copy.rglob("*.py"), copy / "sandbox_scripts" / "stage.sh", copy / "organism.el"]:
+        path.write_text("INVALID SYNTAX !!!\n unexpected EOF def broken(:\n")
+    fleet.ok("run", "steady", "--generations", "1", "--wait")
+    assert_linear(fleet, "steady", 2)
+    first, second = fleet.observation("steady", 1), fleet.observation("steady", 2)
+    assert second["outcome"] == "changed"
+    assert (
+        first["provenance"]["instrument_fingerprint"]
+        == second["provenance"]["instrument_fingerprint"]
+    )
+    assert not list(copy.rglob("__pycache__"))
+
+
+def copy_instrument(target: Path) -> Path:
+    for part in ("worker", "scheduler", "sandbox_scripts"):
+        shutil.copytree(
+            PACKAGE_ROOT / part,
+            target / part,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    shutil.copy2(PACKAGE_ROOT / "organism.el", target / "organism.el")
+    (target / "worker" / "organism.el").unlink()
+    shutil.copy2(PACKAGE_ROOT / "organism.el", target / "worker" / "organism.el")
+    return target

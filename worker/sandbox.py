@@ -1,0 +1,227 @@
+"""The sandbox: one organism life in bubblewrap, inside an aggregate resource scope.
+
+Owns what the organism can see and do (the bwrap argv), the host side of a life
+(spawning it in its scope, the wall clock, reading the bounded result tar and stderr
+concurrently) and the raw account of how it ended (``SandboxResult.death``).
+
+Trusts the ceiling driver for the CPU, memory and task ceilings and their figures, and
+``sandbox_scripts/stage.sh`` (written into the kernel directory by the pipeline) for
+what happens inside. Trusts nothing that comes out of the sandbox: stdout is bytes up
+to a cap, left for the decoder to judge; stderr is data. Nothing from the worker's
+environment reaches the sandbox, its argv or bwrap's own environment but PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from pydantic import BaseModel, ConfigDict
+
+from worker.ceilings import Ceiling, Figures
+from worker.errors import Refusal
+from worker.observation import STDERR_CAP_BYTES
+from worker.physics import Physics
+
+SANDBOX_PATH = "/usr/bin:/bin"
+# bwrap's own environment is readable inside the sandbox as /proc/1/environ.
+HOST_ENV = {"PATH": SANDBOX_PATH}
+STAGE_SCRIPT = "/kernel/stage.sh"
+# Debian's merged /usr: the top-level directories are symlinks into it.
+USR_SYMLINKS = {"/bin": "usr/bin", "/lib": "usr/lib", "/lib64": "usr/lib64", "/sbin": "usr/sbin"}
+# A little over the observation's cap, so cap_stderr can tell that it cut.
+STDERR_KEEP_BYTES = STDERR_CAP_BYTES + 4096
+STDERR_TAIL_BYTES = 8192
+HIGHEST_SIGNAL = 64
+_CHUNK_BYTES = 65536
+
+
+class SandboxResult(BaseModel):
+    """How one life ended, as the worker observed it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    exit_status: int | None
+    signal: int | None
+    wall_timeout: bool
+    archive: bytes | None
+    archive_bytes: int
+    archive_overflow: bool
+    stderr: bytes
+    stderr_tail: bytes
+    figures: Figures
+    duration_seconds: float
+
+    def death(self) -> str | None:
+        """None for a life that ended well, else the outcome name of its death."""
+        result = self.figures.result
+        # The worker's own verdicts first: it ended these lives, whatever they were doing.
+        if self.wall_timeout or result == "timeout":
+            return "wall_timeout"
+        if self.archive_overflow:
+            return "decoder_rejection"
+        signalled = self.signal is not None or result in ("signal", "core-dump")
+        if self.exit_status == 0 and not signalled:
+            return None
+        # An OOM kill arrives as SIGKILL (bwrap reports 137): name the cause, not the signal.
+        if self.figures.oom_kills > 0 or result == "oom-kill":
+            return "cgroup_oom"
+        return "signal" if signalled else "process_exit"
+
+
+def resolve_emacs() -> Path:
+    """The real emacs binary on the host: the sandbox sees /usr, not /etc/alternatives."""
+    found = shutil.which("emacs")
+    if found is None:
+        raise Refusal("emacs is not installed on this worker; install emacs-nox")
+    real = Path(os.path.realpath(found))
+    if not real.is_relative_to("/usr"):
+        raise Refusal(f"emacs resolves to {real}, outside /usr, the only host tree in the sandbox")
+    return real
+
+
+def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> list[str]:
+    """The bwrap command line of one life: what the organism can see and do."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise Refusal("bubblewrap is not installed on this worker; install the bubblewrap package")
+    return [
+        bwrap,
+        "--clearenv",
+        *("--setenv", "HOME", "/work", "--setenv", "PATH", SANDBOX_PATH),
+        "--unshare-all",
+        # Implied by --unshare-all; spelled out so that the argv alone shows there is no network.
+        "--unshare-net",
+        # A user namespace of its own, in which it may not create more: a nested user
+        # namespace would hand the organism a full capability set again.
+        *("--unshare-user", "--disable-userns"),
+        # The same name on every worker: a lineage's physics do not depend on the host.
+        *("--hostname", "ouroboros"),
+        "--new-session",
+        "--die-with-parent",
+        # bwrap started by root keeps every capability unless told otherwise.
+        *("--cap-drop", "ALL"),
+        *("--ro-bind", "/usr", "/usr"),
+        *(item for link, target in USR_SYMLINKS.items() for item in ("--symlink", target, link)),
+        *("--proc", "/proc", "--dev", "/dev"),
+        *("--size", str(physics.work_bytes), "--tmpfs", "/work"),
+        *("--size", str(physics.tmp_bytes), "--tmpfs", "/tmp"),
+        *("--size", str(physics.run_bytes), "--tmpfs", "/run"),
+        *("--ro-bind", os.path.abspath(kernel_dir), "/kernel"),
+        # bwrap's root is an unsized tmpfs: only /work, /tmp and /run stay writable.
+        *("--remount-ro", "/"),
+        *("--chdir", "/work"),
+        "--",
+        *("/bin/sh", STAGE_SCRIPT, str(emacs)),
+    ]
+
+
+def run_sandbox(
+    kernel_dir: Path, physics: Physics, ceiling: Ceiling, label: str, emacs: Path
+) -> SandboxResult:
+    """Live one life of the organism in ``kernel_dir`` under ``physics``; never raises for it.
+
+    Raises only for host faults (CeilingError, OSError, Refusal); every way the organism
+    can end, including overrunning its wall time or its archive cap, is a result.
+    """
+    argv = bwrap_argv(kernel_dir, physics, emacs)
+    with ceiling.open(physics, label) as enclosure:
+        started = time.monotonic()
+        process = subprocess.Popen(
+            enclosure.command(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=HOST_ENV,
+            start_new_session=True,
+        )
+        assert process.stdout is not None and process.stderr is not None
+        archive = _Capture(process.stdout, physics.archive_cap_bytes, enclosure.kill)
+        stderr = _Capture(process.stderr, STDERR_KEEP_BYTES, None)
+        wall_timeout = False
+        try:
+            process.wait(timeout=physics.wall_seconds)
+        except subprocess.TimeoutExpired:
+            wall_timeout = True
+        finally:
+            # Whatever is still in the scope dies now, so both pipes reach end of file.
+            enclosure.kill()
+            process.wait()
+            archive.join()
+            stderr.join()
+        duration = time.monotonic() - started
+        figures = enclosure.figures()
+    exit_status, signal = _status(process.returncode)
+    result = SandboxResult(
+        exit_status=exit_status,
+        signal=signal,
+        wall_timeout=wall_timeout,
+        archive=None,
+        archive_bytes=archive.total,
+        archive_overflow=archive.overflow,
+        stderr=bytes(stderr.head),
+        stderr_tail=bytes(stderr.tail),
+        figures=figures,
+        duration_seconds=duration,
+    )
+    if result.death() is None:
+        # Only a life that ended well has anything to publish.
+        return result.model_copy(update={"archive": bytes(archive.head)})
+    return result
+
+
+def _status(returncode: int) -> tuple[int | None, int | None]:
+    """(exit status, signal) from the worker's child, which is bwrap or systemd-run.
+
+    bwrap and the shell both report a death by signal N inside as exit 128+N, so such a
+    status counts as that signal; an organism that exits 137 on purpose is read the same.
+    """
+    if returncode < 0:
+        return None, -returncode
+    if 128 < returncode <= 128 + HIGHEST_SIGNAL:
+        return returncode, returncode - 128
+    return returncode, None
+
+
+class _Capture:
+    """Reads one pipe to its end in a thread, keeping at most ``keep`` bytes of its head.
+
+    With ``on_overflow``, a stream longer than ``keep`` is an overflow: the callback runs
+    and reading stops. Without it, the excess is drained and only its tail is kept.
+    """
+
+    def __init__(
+        self, stream: IO[bytes], keep: int, on_overflow: Callable[[], None] | None
+    ) -> None:
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+        self.overflow = False
+        self._stream = stream
+        self._keep = keep
+        self._on_overflow = on_overflow
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with self._stream:
+            while chunk := self._stream.read1(_CHUNK_BYTES):
+                self.total += len(chunk)
+                self.head += chunk[: max(0, self._keep - len(self.head))]
+                if len(chunk) >= STDERR_TAIL_BYTES:
+                    self.tail = bytearray(chunk[-STDERR_TAIL_BYTES:])
+                else:
+                    self.tail = (self.tail + chunk)[-STDERR_TAIL_BYTES:]
+                if self.total > self._keep and self._on_overflow is not None:
+                    self.overflow = True
+                    self._on_overflow()
+                    return
+
+    def join(self) -> None:
+        self._thread.join()
