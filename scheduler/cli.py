@@ -97,7 +97,7 @@ def init(name: str, seed: Path | None, **physics_options: object) -> None:
         repository=repository,
         ref=ref,
         repo_url=settings.lineage_repo_url,
-        cache=lineage_cache(settings),
+        cache=lineage_cache(settings, "scheduler"),
         store=observation_store(settings),
     )
     console.print(

@@ -52,7 +52,14 @@ def checks(settings: Settings) -> list[Check]:
         _binary("bwrap", "install bubblewrap (scripts/setup.sh)"),
         _attempt("emacs", lambda: str(resolve_emacs())),
         _binary("git", "install git (scripts/setup.sh)"),
-        _attempt("ceiling", lambda: select_ceiling(settings.ceiling).name + " driver works"),
+        _attempt(
+            "ceiling",
+            lambda: (
+                select_ceiling(settings.ceiling, settings.cgroup_parent).name
+                + " driver works"
+                + (f" (scopes under {settings.cgroup_parent})" if settings.cgroup_parent else "")
+            ),
+        ),
         _attempt(
             "broker",
             lambda: (
@@ -64,7 +71,7 @@ def checks(settings: Settings) -> list[Check]:
         _attempt(
             "repository",
             lambda: (
-                lineage_cache(settings).ls_remote("refs/heads/*") is not None
+                lineage_cache(settings, "scheduler").ls_remote("refs/heads/*") is not None
                 and f"{settings.lineage_repo_url} reachable"
             ),
         ),

@@ -60,7 +60,7 @@ class Fleet:
         return Planner(
             settings=self.settings,
             store=observation_store(self.settings),
-            cache=lineage_cache(self.settings),
+            cache=lineage_cache(self.settings, "scheduler"),
             client=coordination.redis_client(self.settings),
             send=send_job,
         )

@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 
 export OUROBOROS_HOME="${OUROBOROS_HOME:-$PWD/.ouroboros}"
 export OUROBOROS_MODEL_PROVIDER="${OUROBOROS_MODEL_PROVIDER:-scripted}"
+# Workers never write bytecode; the package's own __init__ is compiled before it can say so.
+export PYTHONDONTWRITEBYTECODE=1
 generations="${DEMO_GENERATIONS:-4}"
 bin="$PWD/.venv/bin"
 logs="$OUROBOROS_HOME/logs"

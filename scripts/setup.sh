@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates)
+# systemd brings systemd-analyze (unit checks; it starts no manager); shellcheck
+# checks the deployment scripts.
+packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd shellcheck)
 if [ "${OUROBOROS_SETUP_BROWSER:-1}" = 1 ]; then
   packages+=(chromium)
 fi

@@ -123,7 +123,9 @@ class Worker:
                 "--without-gossip",
                 "--without-mingle",
             ],
-            env={**fleet.env, **env},
+            # As every launcher does (units, image, demo): the worker package's own
+            # __init__ is compiled before its first line can switch bytecode off.
+            env={**fleet.env, "PYTHONDONTWRITEBYTECODE": "1", **env},
             cwd=fleet.home,
             stdout=self.log,
             stderr=subprocess.STDOUT,

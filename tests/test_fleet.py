@@ -238,6 +238,7 @@ def test_hand_commit_during_a_generation_discards_the_stale_result(
     push_hand_commit(fleet, "edited", {"notes.txt": "by hand\n"}, "external edit: notes")
     hand = fleet.git("rev-parse", "lineage-edited").strip()
     wait_for(lambda: len(generations(fleet, "edited")) == 2, 180, "two generations")
+    wait_for(lambda: fleet.observation_numbers("edited") == [1, 2], 60, "both observations")
     subjects = fleet.subjects("edited")
     assert [s.split(":")[0] for s in subjects] == ["gen 2", "gen 1", "external edit", "seed"]
     assert fleet.observation("edited", 1)["parent_commit"] == hand
@@ -453,7 +454,7 @@ def test_worker_loads_every_module_eagerly_and_writes_no_bytecode(tmp_path: Path
     copy = copy_instrument(tmp_path / "instrument")
     result = subprocess.run(
         [sys.executable, "-c", IMMUTABLE_CHECK],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(copy)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"},
         cwd=tmp_path,
         capture_output=True,
         text=True,

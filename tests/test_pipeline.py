@@ -133,7 +133,7 @@ def test_scripted_generation_changes_and_next_generation_sees_new_body(fleet: Fl
 
 
 def test_no_change_has_no_zero_zero_diffstat(fleet: Fleet) -> None:
-    make_lineage(fleet, "quiet", "(message \"alive\")\n")
+    make_lineage(fleet, "quiet", '(message "alive")\n')
     run_one(fleet, "quiet")
     journal = fleet.show("quiet", "journal.md")
     assert "## gen 1 — no-change — " in journal
@@ -168,7 +168,7 @@ def test_gitignore_cannot_hide_successful_hereditary_files(fleet: Fleet) -> None
 
 
 def test_death_never_publishes_speculative_result_and_rolls_body_back(fleet: Fleet) -> None:
-    make_lineage(fleet, "mortal", "(message \"fine\")\n")
+    make_lineage(fleet, "mortal", '(message "fine")\n')
     good = fleet.show("mortal", "organism.el")
     # An out-of-loop commit makes the body lethal, as a human might.
     lethal = good + '(with-temp-file "/work/unpublished.txt" (insert "no"))\n(kill-emacs 9)\n'
@@ -270,9 +270,7 @@ def test_changed_trusted_runtime_cannot_continue_existing_lineage(
     shutil.copy2(PACKAGE_ROOT / "organism.el", changed / "organism.el")
     with (changed / "sandbox_scripts" / "stage.sh").open("a") as runner:
         runner.write("\n# changed physics\n")
-    result = fleet.cli(
-        "run", "alpha", "--generations", "1", "--local", PYTHONPATH=str(changed)
-    )
+    result = fleet.cli("run", "alpha", "--generations", "1", "--local", PYTHONPATH=str(changed))
     assert result.returncode == 2, result.stderr
     assert "start a new lineage" in result.stderr
     assert fleet.subjects("alpha") == ["seed"]
@@ -288,7 +286,7 @@ def test_different_instrument_commit_cannot_continue_lineage(fleet: Fleet) -> No
 
 
 def test_numbering_counts_gen_subjects_not_history_positions(fleet: Fleet) -> None:
-    make_lineage(fleet, "counted", "(message \"alive\")\n")
+    make_lineage(fleet, "counted", '(message "alive")\n')
     run_one(fleet, "counted")
     push_hand_commit(fleet, "counted", {"notes.txt": "by hand\n"}, "external edit: notes")
     run_one(fleet, "counted")

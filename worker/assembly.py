@@ -15,8 +15,11 @@ from worker.settings import Settings
 from worker.store import ObservationStore, open_store
 
 
-def lineage_cache(settings: Settings) -> LineageCache:
-    return LineageCache(settings.state_path / "cache" / "lineages.git", settings.lineage_repo_url)
+def lineage_cache(settings: Settings, role: str = "worker") -> LineageCache:
+    """The local cache of the shared repository; each role keeps its own on a host."""
+    return LineageCache(
+        settings.state_path / "cache" / role / "lineages.git", settings.lineage_repo_url
+    )
 
 
 def observation_store(settings: Settings) -> ObservationStore:
@@ -30,7 +33,7 @@ def build_pipeline(settings: Settings, ceiling: str | None = None) -> Pipeline:
         settings=settings,
         instrument=instrument,
         instrument_commit=instrument_commit(settings.instrument_commit),
-        ceiling=select_ceiling(ceiling or settings.ceiling),
+        ceiling=select_ceiling(ceiling or settings.ceiling, settings.cgroup_parent),
         store=observation_store(settings),
         cache=lineage_cache(settings),
     )

@@ -88,6 +88,7 @@ class GenerationReport(BaseModel):
     parent: str
     commit: str
     spent_usd: Decimal
+    run_budget_exhausted: bool
     observation_stored: bool
 
 
@@ -145,7 +146,8 @@ class Pipeline:
         tree = self.cache.tree(parent)
         blobs = self.cache.cat_blobs(entry.sha for entry in tree.values())
         physics = meta.physics
-        if job.budget_usd is not None and job.budget_usd < physics.budget_usd:
+        narrowed = job.budget_usd is not None and job.budget_usd < physics.budget_usd
+        if narrowed:
             # A run's remaining budget narrows, never widens, the pinned per-generation one.
             physics = physics.model_copy(update={"budget_usd": job.budget_usd})
         source = blobs.get(tree[ORGANISM_PATH].sha, b"") if ORGANISM_PATH in tree else b""
@@ -160,6 +162,8 @@ class Pipeline:
             with ModelBroker(kernel / "model.sock", provider, physics, context) as broker:
                 result = run_sandbox(kernel, physics, self.ceiling, label, self.emacs)
             calls, spent = list(broker.calls), broker.spent_usd
+        # The run, not the pinned physics, ran out: nothing more can be bought for it.
+        run_exhausted = narrowed and any(call.status == 402 for call in calls)
         finished = datetime.now(UTC)
         with tempfile.TemporaryDirectory(prefix="ouro-publish-") as scratch:
             outcome, rejection, entries, summary, published = self._publish_tree(
@@ -210,6 +214,7 @@ class Pipeline:
             constraints=physics,
             model_calls=calls,
             spent_usd=spent,
+            run_budget_exhausted=run_exhausted,
             stderr=stderr_text,
             stderr_truncated=truncated,
             run_id=job.run_id,
@@ -245,6 +250,7 @@ class Pipeline:
             parent=parent,
             commit=commit,
             spent_usd=spent,
+            run_budget_exhausted=run_exhausted,
             observation_stored=stored,
         )
 

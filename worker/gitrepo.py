@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +25,7 @@ from typing import NamedTuple
 from worker.errors import Refusal
 
 BRANCH_PREFIX = "lineage-"
+FETCH_ATTEMPTS = 5
 IDENTITY = {
     "GIT_AUTHOR_NAME": "ouroboros",
     "GIT_AUTHOR_EMAIL": "ouroboros@localhost",
@@ -133,10 +135,21 @@ class LineageCache:
         listing = self.ls_remote(ref).split()
         if not listing:
             return None
-        self.git(
-            "fetch", "--quiet", "--no-tags", self.remote_url, f"+{ref}:{self.tracking_ref(lineage)}"
-        )
-        return self.rev(self.tracking_ref(lineage))
+        refspec = f"+{ref}:{self.tracking_ref(lineage)}"
+        for attempt in range(FETCH_ATTEMPTS):
+            result = self.git(
+                "fetch", "--quiet", "--no-tags", self.remote_url, refspec, check=False
+            )
+            if result.returncode == 0:
+                return self.rev(self.tracking_ref(lineage))
+            # Another process of this host moved the same tracking ref meanwhile.
+            if b"cannot lock ref" not in result.stderr or attempt == FETCH_ATTEMPTS - 1:
+                raise GitError(
+                    f"git fetch of {ref} failed: "
+                    f"{result.stderr.decode(errors='replace').strip()[-500:]}"
+                )
+            time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def ls_remote(self, *patterns: str) -> str:
         """The shared repository's matching refs; a Refusal if it cannot be read at all."""

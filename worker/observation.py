@@ -99,6 +99,9 @@ class Observation(BaseModel):
     constraints: Physics
     model_calls: list[ModelCall]
     spent_usd: Decimal
+    run_budget_exhausted: bool = Field(
+        False, description="a call was refused (402) under the run's narrowed budget"
+    )
     stderr: str
     stderr_truncated: bool
     provenance: Provenance
@@ -121,6 +124,7 @@ class IndexEntry(BaseModel):
     model_calls: int
     spent_usd: Decimal
     run_id: str | None
+    run_budget_exhausted: bool = False
 
     @classmethod
     def of(cls, observation: Observation) -> IndexEntry:
@@ -136,6 +140,7 @@ class IndexEntry(BaseModel):
             model_calls=len(observation.model_calls),
             spent_usd=observation.spent_usd,
             run_id=observation.run_id,
+            run_budget_exhausted=observation.run_budget_exhausted,
         )
 
 

@@ -107,16 +107,14 @@ class Planner:
 
     def progress(self, run: RunRecord, head: str) -> Progress:
         generation = self.generation_count(head)
-        spent = sum(
-            (e.spent_usd for e in self.index(run.lineage).generations if e.run_id == run.run_id),
-            Decimal(0),
-        )
+        mine = [e for e in self.index(run.lineage).generations if e.run_id == run.run_id]
+        spent = sum((e.spent_usd for e in mine), Decimal(0))
         stopped = None
         if run.status == "cancelled":
             stopped = "cancelled"
         elif generation >= run.target_generation:
             stopped = "target reached"
-        elif spent >= run.budget_usd:
+        elif spent >= run.budget_usd or any(e.run_budget_exhausted for e in mine):
             stopped = "budget exhausted"
         return Progress(
             run=run,
@@ -193,6 +191,8 @@ class Planner:
             return None
         remaining = job.budget_usd - report.spent_usd
         if report.generation >= job.target_generation or remaining <= 0:
+            return None
+        if report.run_budget_exhausted:
             return None
         if coordination.cancel_requested(self.client, job.lineage, job.run_id):
             return None

@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     scripted_latency_seconds: float = Field(0.0, ge=0, le=600)
     key_dir: Path | None = None
     ceiling: CeilingName = "auto"
+    cgroup_parent: Path | None = None
     concurrency: int = Field(1, ge=1, le=256)
     state_dir: Path | None = None
     fleet_version: str | None = None

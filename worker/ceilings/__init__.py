@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 from worker.ceilings.base import Ceiling, CeilingError, Enclosure, Figures
 from worker.ceilings.cgroup1 import Cgroup1Ceiling
@@ -36,14 +37,19 @@ _ADVICE = (
 )
 
 
-def select_ceiling(name: str = "auto") -> Ceiling:
-    """The first driver (``auto``) or the named one that passes the preflight; else Refusal."""
+def select_ceiling(name: str = "auto", cgroup_parent: Path | None = None) -> Ceiling:
+    """The first driver (``auto``) or the named one that passes the preflight; else Refusal.
+
+    ``cgroup_parent`` is a prepared v2 cgroup (controllers enabled, no processes) to put
+    scopes under, for hosts where the worker's own cgroup cannot delegate: containers
+    and systemd services (a v2 cgroup may not both hold processes and delegate).
+    """
     if name != "auto" and name not in DRIVERS:
         raise Refusal(f"unknown ceiling {name!r}; choose auto, {', '.join(DRIVERS)}")
     candidates = list(DRIVERS) if name == "auto" else [name]
     reasons: list[str] = []
     for candidate in candidates:
-        ceiling = DRIVERS[candidate]()
+        ceiling = Cgroup2Ceiling(cgroup_parent) if candidate == "cgroup2" else DRIVERS[candidate]()
         reason = ceiling.unavailable_reason() or _probe(ceiling)
         if reason is None:
             return ceiling
