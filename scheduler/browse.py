@@ -20,9 +20,15 @@ from pydantic import BaseModel, computed_field
 
 from scheduler.history import CommitKind, JournalEntry
 from worker.lineage import LineageMetadata
-from worker.observation import IndexEntry, Observation, RunRecord
+from worker.observation import DEATHS, IndexEntry, Observation
+from worker.planner import Progress
 
 LineageKind = Literal["fleet", "imported"]
+
+
+def is_death(outcome: str) -> bool:
+    """An observed death (``cgroup_oom``, ...) or a death only the subject tells of."""
+    return outcome in DEATHS or outcome == "died"
 
 
 class CommitView(BaseModel):
@@ -51,17 +57,6 @@ class GenerationRow(BaseModel):
         return self.figures.outcome if self.figures else self.commit.kind
 
 
-class RunProgress(BaseModel):
-    """The lineage's latest run and how far it got (derived, never stored)."""
-
-    run: RunRecord
-    generation: int
-    done: int
-    wanted: int
-    spent_usd: Decimal
-    stopped: str | None
-
-
 class LineageSummary(BaseModel):
     """One lineage as the overview and the family view list it."""
 
@@ -78,7 +73,7 @@ class LineageSummary(BaseModel):
     spent_usd: Decimal | None
     observed: int
     backlog: int | None
-    run: RunProgress | None
+    run: Progress | None
 
 
 class PageInfo(BaseModel):
@@ -160,5 +155,5 @@ class LiveWorker(BaseModel):
 
 class Overview(BaseModel):
     lineages: list[LineageSummary]
-    broker: Literal["no broker", "reachable", "unreachable"]
+    broker: Literal["no broker", "inspected"]
     workers: list[LiveWorker]

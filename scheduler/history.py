@@ -14,7 +14,7 @@ function here is total (unparseable text is reported as such, never raised).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel
 
@@ -34,8 +34,8 @@ _FENCE = "~~~"
 _EXIT_LINE = re.compile(r"^exit (-?\d{1,6})$")
 
 
-class SubjectMeaning(BaseModel):
-    """What a commit subject says about its commit."""
+class SubjectMeaning(NamedTuple):
+    """What a commit subject says about its commit (a tuple: parsed 10,000 at a time)."""
 
     kind: CommitKind
     generation: int | None = None

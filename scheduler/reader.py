@@ -7,9 +7,10 @@ never writes either. Lists and pages come from the history and the index object;
 one observation object is read only when one generation is shown, so the cost of
 the overview and of a lineage page does not grow with observation objects.
 
-Caches are keyed by what makes them valid: a branch head (commits are immutable)
-and the index object's exact bytes (publication rewrites it), so nothing stale is
-ever served and no cache needs expiry.
+Caches are checked against what makes them valid: a branch head (commits are
+immutable, so a history that moved on is extended by its new commits only, as the
+worker's fetch is) and the index object's exact bytes (publication rewrites it), so
+nothing stale is ever served and no cache needs expiry.
 
 Trusts: the store and repository the settings name. Treats all lineage content as
 data; validates lineage names and generation numbers before any lookup, and looks
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
@@ -41,14 +43,14 @@ from scheduler.browse import (
     LineageSummary,
     LineageView,
     PageInfo,
-    RunProgress,
     Series,
     SeriesPoint,
+    is_death,
 )
-from scheduler.history import journal_entries, journal_entry, parse_subject
+from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
 from scheduler.readgit import ReadOnlyGit
 from worker.errors import Refusal
-from worker.gitrepo import BRANCH_PREFIX, is_local, local_path
+from worker.gitrepo import BRANCH_PREFIX, GitError, is_local, local_path
 from worker.lineage import (
     JOURNAL_PATH,
     METADATA_PATH,
@@ -57,7 +59,6 @@ from worker.lineage import (
     LineageMetadata,
 )
 from worker.observation import (
-    DEATHS,
     IndexEntry,
     LineageIndex,
     Observation,
@@ -65,6 +66,7 @@ from worker.observation import (
     generation_key,
     index_key,
 )
+from worker.planner import Progress, run_progress
 from worker.settings import Settings
 from worker.store import ObservationStore, open_store
 
@@ -75,7 +77,6 @@ CHART_POINTS = 300
 # a published tree may hold hundreds of MiB, and a page must stay readable and fast.
 PATCH_LINE_BUDGET = 20_000
 LETHAL_BODY_BYTES = 1024 * 1024
-_HISTORY_CACHE = 64
 _EMPTY_TREE = {
     40: "4b825dc642cb6eb9a060e54bf8d69288fbee4904",
     64: "6ef19b41225c5369f1c104d45d8d85efa9b057b53b14b4b9b939dd74decc5321",
@@ -88,14 +89,30 @@ class NotFound(LookupError):
     """No such lineage or generation (or a malformed name or number)."""
 
 
+class Commit(NamedTuple):
+    """One commit as the history holds it: a tuple, because a history holds 10,000s."""
+
+    sha: str
+    parents: tuple[str, ...]
+    committed_at: str
+    subject: str
+    kind: CommitKind
+    generation: int | None
+    exit_status: int | None
+    summary: str | None
+
+    def view(self) -> CommitView:
+        return CommitView(**self._asdict())
+
+
 @dataclass(frozen=True)
 class History:
     """Everything the repository says about one branch head; immutable, so cacheable."""
 
     name: str
     head: str
-    commits: list[CommitView]  # newest first
-    by_generation: dict[int, CommitView]
+    commits: list[Commit]  # newest first
+    by_generation: dict[int, Commit]
     metadata: LineageMetadata | None
     seed_sha256: str | None
 
@@ -111,7 +128,7 @@ class IndexView:
     raw: bytes
     entries: dict[int, IndexEntry]
     spent_usd: Decimal
-    series: list[Series] = field(default_factory=list)
+    series: list[Series]
 
 
 class Reader:
@@ -121,27 +138,31 @@ class Reader:
         self.store = store
         self.git = ReadOnlyGit(repo)
         self._lock = threading.Lock()
-        self._histories: OrderedDict[tuple[str, str], History] = OrderedDict()
+        self._histories: dict[str, History] = {}
         self._indexes: dict[str, IndexView] = {}
 
     # -- lineages -------------------------------------------------------------
 
     def heads(self) -> dict[str, str]:
-        """Every lineage branch: name -> head commit."""
+        """Every lineage branch: name -> head commit (none before the repository exists)."""
+        if not (self.git.git_dir / "HEAD").exists():
+            return {}
         out = self.git.run(
-            "for-each-ref", "--format=%(refname:lstrip=2) %(objectname)", f"refs/heads/{BRANCH_PREFIX}"
+            "for-each-ref",
+            "--format=%(refname:lstrip=2) %(objectname)",
+            f"refs/heads/{BRANCH_PREFIX}*",
         ).stdout.decode(errors="replace")
         heads = {}
         for line in out.splitlines():
             branch, _, sha = line.partition(" ")
             name = branch.removeprefix(BRANCH_PREFIX)
             # A branch no fleet command could have made is not a lineage we show.
-            if branch.startswith(BRANCH_PREFIX) and NAME_PATTERN.match(name):
+            if branch.startswith(BRANCH_PREFIX) and NAME_PATTERN.fullmatch(name):
                 heads[name] = sha
         return heads
 
     def history(self, name: str) -> History:
-        if not NAME_PATTERN.match(name):
+        if not NAME_PATTERN.fullmatch(name):
             raise NotFound(f"no lineage named {name!r}")
         head = self.heads().get(name)
         if head is None:
@@ -220,7 +241,7 @@ class Reader:
         entries = journal_entries(_text(raw)) if raw is not None else {}
         return [
             JournalRow(
-                commit=commit,
+                commit=commit.view(),
                 entry=entries.get(commit.generation) if commit.generation else None,
             )
             for commit in reversed(history.commits)
@@ -235,38 +256,58 @@ class Reader:
     # -- internals ------------------------------------------------------------
 
     def _history(self, name: str, head: str) -> History:
-        key = (name, head)
         with self._lock:
-            if key in self._histories:
-                self._histories.move_to_end(key)
-                return self._histories[key]
-        history = self._read_history(name, head)
+            known = self._histories.get(name)
+        if known is not None and known.head == head:
+            return known
+        history = self._extend(known, head) if known is not None else None
+        history = history or self._read_history(name, head)
         with self._lock:
-            self._histories[key] = history
-            while len(self._histories) > _HISTORY_CACHE:
-                self._histories.popitem(last=False)
+            self._histories[name] = history
         return history
 
-    def _read_history(self, name: str, head: str) -> History:
+    def _log(self, revisions: str) -> list[Commit]:
+        """Commits of ``revisions``, newest first, with what their subjects say."""
         fmt = _FIELD.join(("%H", "%P", "%cI", "%s")) + _RECORD
-        out = self.git.run("log", "--topo-order", f"--format={fmt}", head).stdout
-        commits: list[CommitView] = []
+        out = self.git.run("log", "--topo-order", f"--format={fmt}", revisions).stdout
+        commits: list[Commit] = []
         for record in out.decode(errors="replace").split(_RECORD):
             fields = record.strip("\n").split(_FIELD)
             if len(fields) != 4:
                 continue
             sha, parents, when, subject = fields
             meaning = parse_subject(subject, is_root=not parents)
-            commits.append(
-                CommitView(
-                    sha=sha,
-                    parents=parents.split(),
-                    committed_at=datetime.fromisoformat(when),
-                    subject=subject,
-                    **meaning.model_dump(),
-                )
-            )
-        by_generation: dict[int, CommitView] = {}
+            commits.append(Commit(sha, tuple(parents.split()), when, subject, *meaning))
+        return commits
+
+    def _extend(self, known: History, head: str) -> History | None:
+        """``known`` moved forward to ``head`` by reading only the new commits.
+
+        None when ``head`` does not simply extend ``known.head`` (a rewritten branch):
+        then the whole history is read again.
+        """
+        try:
+            new = self._log(f"{known.head}..{head}")
+        except GitError:
+            return None  # the old head is gone from the repository altogether
+        if not new or new[-1].parents[:1] != (known.head,):
+            return None
+        by_generation = dict(known.by_generation)
+        for commit in reversed(new):
+            if commit.generation is not None:
+                by_generation[commit.generation] = commit
+        return History(
+            name=known.name,
+            head=head,
+            commits=new + known.commits,
+            by_generation=by_generation,
+            metadata=known.metadata,
+            seed_sha256=known.seed_sha256,
+        )
+
+    def _read_history(self, name: str, head: str) -> History:
+        commits = self._log(head)
+        by_generation: dict[int, Commit] = {}
         for commit in reversed(commits):  # oldest first, so a repeated number keeps the newest
             if commit.generation is not None:
                 by_generation[commit.generation] = commit
@@ -305,7 +346,7 @@ class Reader:
         self._indexes[name] = view
         return view
 
-    def _observation(self, name: str, commit: CommitView) -> Observation | None:
+    def _observation(self, name: str, commit: Commit) -> Observation | None:
         assert commit.generation is not None
         raw = self.store.get(generation_key(name, commit.generation))
         if raw is None:
@@ -329,16 +370,16 @@ class Reader:
 
     def _summary(self, history: History, index: IndexView | None = None) -> LineageSummary:
         index = index if index is not None else self._index(history.name)
-        outcomes = Counter(
-            _outcome_class(_row(c, index).outcome) for c in history.by_generation.values()
-        )
+        outcomes: Counter[str] = Counter()
+        observed = 0
+        for commit in history.by_generation.values():
+            figures = _figures(commit, index)
+            observed += figures is not None
+            outcomes[_outcome_class(figures.outcome if figures else commit.kind)] += 1
         latest = max(history.by_generation, default=0)
         last = history.by_generation.get(latest)
         last_entry = index.entries.get(latest) if index else None
         fleet = history.metadata is not None
-        observed = sum(
-            1 for c in history.by_generation.values() if _figures(c, index) is not None
-        )
         runs = self._runs(history.name) if fleet else []
         progress = _progress(runs[-1], history, index) if runs else None
         if not fleet:
@@ -358,7 +399,11 @@ class Reader:
             outcomes=dict(outcomes),
             out_of_loop=len(history.commits) - history.numbered,
             last_generation_at=(
-                last_entry.finished_at if last_entry else last.committed_at if last else None
+                last_entry.finished_at
+                if last_entry
+                else datetime.fromisoformat(last.committed_at)
+                if last
+                else None
             ),
             spent_usd=index.spent_usd if index else None,
             observed=observed,
@@ -406,7 +451,7 @@ class Reader:
         are grouped by header line; paths are never parsed out of quoted headers.
         """
         groups: list[tuple[bytes, list[bytes]]] = []
-        for section in patch.split(b"\ndiff --git ")[0:]:
+        for section in patch.split(b"\ndiff --git "):
             section = section if section.startswith(b"diff --git ") else b"diff --git " + section
             header = section.split(b"\n", 1)[0]
             if groups and groups[-1][0] == header:
@@ -437,14 +482,14 @@ def parse_generation(text: str) -> int:
     return int(text)
 
 
-def _numbered(history: History, number: int) -> CommitView:
+def _numbered(history: History, number: int) -> Commit:
     commit = history.by_generation.get(number)
     if commit is None:
         raise NotFound(f"lineage {history.name} has no generation {number}")
     return commit
 
 
-def _figures(commit: CommitView, index: IndexView | None) -> IndexEntry | None:
+def _figures(commit: Commit, index: IndexView | None) -> IndexEntry | None:
     if index is None or commit.generation is None:
         return None
     entry = index.entries.get(commit.generation)
@@ -452,36 +497,16 @@ def _figures(commit: CommitView, index: IndexView | None) -> IndexEntry | None:
     return entry if entry is not None and entry.lineage_commit == commit.sha else None
 
 
-def _row(commit: CommitView, index: IndexView | None) -> GenerationRow:
-    return GenerationRow(commit=commit, figures=_figures(commit, index))
+def _row(commit: Commit, index: IndexView | None) -> GenerationRow:
+    return GenerationRow(commit=commit.view(), figures=_figures(commit, index))
 
 
 def _outcome_class(outcome: str) -> str:
-    return "died" if outcome in DEATHS else outcome
+    return "died" if is_death(outcome) else outcome
 
 
-def _progress(run: RunRecord, history: History, index: IndexView | None) -> RunProgress:
-    """How far the run got, by the planner's rule (generation count, spend, cancel)."""
-    generation = history.numbered
-    spent = sum(
-        (e.spent_usd for e in (index.entries.values() if index else ()) if e.run_id == run.run_id),
-        Decimal(0),
-    )
-    stopped = None
-    if run.status == "cancelled":
-        stopped = "cancelled"
-    elif generation >= run.target_generation:
-        stopped = "target reached"
-    elif spent >= run.budget_usd:
-        stopped = "budget exhausted"
-    return RunProgress(
-        run=run,
-        generation=generation,
-        done=generation - run.start_generation,
-        wanted=run.target_generation - run.start_generation,
-        spent_usd=spent,
-        stopped=stopped,
-    )
+def _progress(run: RunRecord, history: History, index: IndexView | None) -> Progress:
+    return run_progress(run, history.numbered, index.entries.values() if index else ())
 
 
 def _series(entries: list[IndexEntry]) -> list[Series]:

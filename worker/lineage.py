@@ -56,7 +56,7 @@ class LineageMetadata(BaseModel):
 
 
 def check_name(name: str) -> str:
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise Refusal(
             f"invalid lineage name {name!r}: use 1-63 characters from a-z 0-9 . _ -, "
             "starting with a letter or digit"

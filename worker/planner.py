@@ -13,19 +13,19 @@ Trusts: the shared repository, the observation store and the broker.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from decimal import Decimal
 
 import redis
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field
 
 from worker import coordination
 from worker.errors import Refusal
 from worker.generation import GenerationJob, GenerationReport
 from worker.gitrepo import BRANCH_PREFIX, LineageCache
 from worker.lineage import LineageMetadata, root_metadata
-from worker.observation import LineageIndex, RunRecord, index_key, run_key
+from worker.observation import IndexEntry, LineageIndex, RunRecord, index_key, run_key
 from worker.settings import Settings
 from worker.store import ObservationStore, StoreUnavailable
 
@@ -49,15 +49,42 @@ def hard_time_limit(meta: LineageMetadata) -> int:
 
 
 class Progress(BaseModel):
+    """How far a run got (derived from the repository and the index, never stored)."""
+
     run: RunRecord
     generation: int
     done: int
     spent_usd: Decimal
     stopped: str | None
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def wanted(self) -> int:
+        return self.run.target_generation - self.run.start_generation
+
     @property
     def remaining_usd(self) -> Decimal:
         return max(Decimal(0), self.run.budget_usd - self.spent_usd)
+
+
+def run_progress(run: RunRecord, generation: int, entries: Iterable[IndexEntry]) -> Progress:
+    """The one rule for a run's progress and why it stopped, for the planner and for readers."""
+    mine = [e for e in entries if e.run_id == run.run_id]
+    spent = sum((e.spent_usd for e in mine), Decimal(0))
+    stopped = None
+    if run.status == "cancelled":
+        stopped = "cancelled"
+    elif generation >= run.target_generation:
+        stopped = "target reached"
+    elif spent >= run.budget_usd or any(e.run_budget_exhausted for e in mine):
+        stopped = "budget exhausted"
+    return Progress(
+        run=run,
+        generation=generation,
+        done=generation - run.start_generation,
+        spent_usd=spent,
+        stopped=stopped,
+    )
 
 
 class Planner:
@@ -106,23 +133,7 @@ class Planner:
         return sum(subject.startswith("gen ") for subject in self.cache.subjects(head))
 
     def progress(self, run: RunRecord, head: str) -> Progress:
-        generation = self.generation_count(head)
-        mine = [e for e in self.index(run.lineage).generations if e.run_id == run.run_id]
-        spent = sum((e.spent_usd for e in mine), Decimal(0))
-        stopped = None
-        if run.status == "cancelled":
-            stopped = "cancelled"
-        elif generation >= run.target_generation:
-            stopped = "target reached"
-        elif spent >= run.budget_usd or any(e.run_budget_exhausted for e in mine):
-            stopped = "budget exhausted"
-        return Progress(
-            run=run,
-            generation=generation,
-            done=generation - run.start_generation,
-            spent_usd=spent,
-            stopped=stopped,
-        )
+        return run_progress(run, self.generation_count(head), self.index(run.lineage).generations)
 
     def start_run(
         self, lineage: str, generations: int, provider: str, model: str | None, budget: Decimal

@@ -1,0 +1,96 @@
+"""Importing a lineage recorded elsewhere (a git bundle) into the shared repository.
+
+Owns ``schedule-lineage import-bundle``: a bundle whose history is one branch
+becomes ``lineage-NAME``, created only if absent (a compare-and-swap against "no
+such ref"), so an existing lineage is never touched. Nothing is written to the
+observation store: an imported lineage has no observations, and readers fall back
+to its history and journal. Workers will not continue it (it has no lineage root
+metadata), which is right: its physics were never pinned by this fleet.
+
+Trusts: the git binary. Treats the bundle as untrusted input: git verifies it
+before anything is fetched, and its objects enter the repository only through a
+temporary ref that is removed again.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from worker.errors import Refusal
+from worker.gitrepo import (
+    branch_ref,
+    ensure_shared_repo,
+    is_local,
+    local_path,
+    run_git,
+)
+from worker.lineage import NAME_PATTERN, ORGANISM_PATH, check_name
+
+
+def import_bundle(bundle: Path, name: str, repo_url: str) -> str:
+    """Add the bundle's branch as lineage ``name``; return its head commit."""
+    check_name(name)
+    # check_name's pattern ends in "$", which also accepts one trailing newline.
+    if not NAME_PATTERN.fullmatch(name):
+        raise Refusal(f"invalid lineage name {name!r}: it ends in a newline")
+    if not is_local(repo_url):
+        raise Refusal(f"import-bundle writes to a local shared repository; {repo_url} is remote")
+    # Absolute, so git can never read the path as an option.
+    bundle = bundle.resolve()
+    if not bundle.is_file() or not os.access(bundle, os.R_OK):
+        raise Refusal(f"cannot read bundle {bundle}; pass a readable git bundle file")
+    ensure_shared_repo(repo_url)
+    repo = local_path(repo_url)
+    ref = branch_ref(name)
+    if run_git(repo, "rev-parse", "--verify", "--quiet", ref, check=False).returncode == 0:
+        raise Refusal(f"lineage {name} already exists; choose another name")
+    verified = run_git(repo, "bundle", "verify", "--quiet", str(bundle), check=False)
+    if verified.returncode != 0:
+        raise Refusal(f"{bundle} is not a complete git bundle: {_last_line(verified.stderr)}")
+    source = _single_branch(repo, bundle)
+    staging = f"refs/ouroboros-import/{uuid.uuid4().hex}"
+    run_git(
+        repo,
+        "fetch",
+        "--quiet",
+        "--no-tags",
+        "--no-write-fetch-head",
+        str(bundle),
+        f"{source}:{staging}",
+    )
+    try:
+        tip = (
+            run_git(repo, "rev-parse", "--verify", f"{staging}^{{commit}}").stdout.decode().strip()
+        )
+        if run_git(repo, "cat-file", "-e", f"{tip}:{ORGANISM_PATH}", check=False).returncode:
+            raise Refusal(f"{bundle} is not a lineage: its branch has no {ORGANISM_PATH}")
+        # Empty old value: the ref is created only if nobody made it meanwhile.
+        created = run_git(repo, "update-ref", ref, tip, "", check=False)
+        if created.returncode != 0:
+            raise Refusal(f"lineage {name} already exists; choose another name")
+    finally:
+        run_git(repo, "update-ref", "-d", staging)
+    return tip
+
+
+def _single_branch(repo: Path, bundle: Path) -> str:
+    """The bundle ref to import: all its branches must name one commit."""
+    listing = run_git(repo, "bundle", "list-heads", str(bundle)).stdout.decode(errors="replace")
+    refs = [tuple(line.split(" ", 1)) for line in listing.splitlines() if " " in line]
+    branches = [(sha, ref) for sha, ref in refs if ref.startswith("refs/heads/")]
+    # A bundle made from a clone also lists HEAD and remote-tracking refs of the same tip.
+    candidates = branches or [(sha, ref) for sha, ref in refs if ref != "HEAD"]
+    tips = {sha for sha, _ in candidates}
+    if len(tips) != 1:
+        raise Refusal(
+            f"{bundle} holds {len(tips)} branch tips; a lineage is one branch "
+            "(bundle just that branch: git bundle create FILE BRANCH)"
+        )
+    return candidates[0][1]
+
+
+def _last_line(stderr: bytes) -> str:
+    lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1].removeprefix("error: ") if lines else "git could not read it"

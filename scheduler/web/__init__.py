@@ -1,0 +1,1 @@
+"""The browsing web UI and JSON API (``schedule-lineage serve``)."""

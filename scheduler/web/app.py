@@ -1,0 +1,99 @@
+"""The web application: FastAPI app factory, error mapping and response headers.
+
+Owns assembling the browsing app from a ``Reader`` and a live-workers provider,
+the mapping of "no such lineage or generation" (including malformed names and
+numbers) to 404 and of an unreachable store to 503, and the headers every response
+carries: a Content-Security-Policy that allows no script at all (the UI needs none,
+so even markup that escaped escaping could not run), no framing, no sniffing, no
+referrer. The interactive docs pages are off because they load from a CDN; the
+OpenAPI schema is served at /openapi.json.
+
+Trusts: the reader and the provider it is given.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.reader import NotFound, Reader
+from scheduler.web import api, pages
+from scheduler.web.render import templates
+from scheduler.web.workers import WorkersProvider, live_workers, remembered
+from worker.instrument import package_version
+from worker.store import StoreUnavailable
+
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
+        "form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def create_app(reader: Reader, workers: WorkersProvider | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Read every lineage's history once at start, in the background, so that the
+        # first visitor does not pay for it; later heads are read incrementally.
+        threading.Thread(target=_warm, args=(reader,), name="warm-reader", daemon=True).start()
+        yield
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="Ouroboros fleet browser",
+        version=package_version(),
+        description="Read-only views of lineages, generations and observations.",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+    app.state.reader = reader
+    app.state.workers = workers or remembered(live_workers)
+    app.include_router(api.router)
+    app.include_router(pages.router)
+
+    @app.middleware("http")
+    async def security_headers(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        response = await call_next(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound) -> Response:
+        return _error(request, 404, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(request, exc.status_code, str(exc.detail))
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_down(request: Request, exc: StoreUnavailable) -> Response:
+        return _error(request, 503, str(exc))
+
+    return app
+
+
+def _warm(reader: Reader) -> None:
+    try:
+        reader.summaries()
+    except Exception:  # only an optimisation: the first request reports any real failure
+        return
+
+
+def _error(request: Request, status: int, message: str) -> Response:
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"detail": message}, status_code=status)
+    return templates.TemplateResponse(
+        request, "error.html", {"status": status, "message": message}, status_code=status
+    )

@@ -1,0 +1,58 @@
+"""The HTML pages: overview, lineage, generation, compare and family views.
+
+Owns which template each URL renders and with what; the data is the same view
+model the JSON API returns for the mirror URL. Templates escape everything.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from scheduler.reader import DEFAULT_PER_PAGE, MAX_PER_PAGE, parse_generation
+from scheduler.web.deps import overview, reader_of, seed_sha
+from scheduler.web.render import templates
+
+router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
+
+
+@router.get("/")
+def fleet(request: Request) -> Response:
+    return templates.TemplateResponse(request, "overview.html", {"view": overview(request)})
+
+
+@router.get("/lineages/{name}")
+def lineage(
+    request: Request,
+    name: str,
+    page: int = Query(1, ge=1),
+    per_page: int = Query(DEFAULT_PER_PAGE, ge=1, le=MAX_PER_PAGE),
+) -> Response:
+    view = reader_of(request).lineage(name, page, per_page)
+    return templates.TemplateResponse(request, "lineage.html", {"view": view})
+
+
+@router.get("/lineages/{name}/generations/{gen}")
+def generation(request: Request, name: str, gen: str) -> Response:
+    view = reader_of(request).generation(name, parse_generation(gen))
+    return templates.TemplateResponse(request, "generation.html", {"view": view})
+
+
+@router.get("/lineages/{name}/compare")
+def compare_form(request: Request, name: str, a: str = "", b: str = "") -> Response:
+    """The lineage page's compare form (a plain GET form: the UI runs no script)."""
+    first, second = parse_generation(a), parse_generation(b)
+    reader_of(request).history(name)
+    return RedirectResponse(f"/lineages/{name}/compare/{first}/{second}", status_code=303)
+
+
+@router.get("/lineages/{name}/compare/{a}/{b}")
+def compare(request: Request, name: str, a: str, b: str) -> Response:
+    view = reader_of(request).compare(name, parse_generation(a), parse_generation(b))
+    return templates.TemplateResponse(request, "compare.html", {"view": view})
+
+
+@router.get("/families/{seed}")
+def family(request: Request, seed: str) -> Response:
+    view = reader_of(request).family(seed_sha(seed))
+    return templates.TemplateResponse(request, "family.html", {"view": view})

@@ -1,0 +1,89 @@
+"""The Jinja2 environment of the web UI: autoescaping everywhere, display filters.
+
+Owns how values look on a page (sizes, seconds, money, commits, diff line classes,
+outcome badges) and the guarantee that every template escapes what it prints:
+autoescape is on for every template regardless of its file name, and no filter
+here marks anything safe, so organism-made text is always inert.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+
+from jinja2 import Environment, PackageLoader, StrictUndefined
+from starlette.templating import Jinja2Templates
+
+from scheduler.browse import is_death
+from scheduler.web.charts import chart
+
+
+def _mib(value: int | None) -> str:
+    return "—" if value is None else f"{value / 2**20:.1f} MiB"
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f} s"
+
+
+def _cpu(nsec: int | None) -> str:
+    return "—" if nsec is None else f"{nsec / 1e9:.2f} s"
+
+
+def _usd(value: Decimal | None) -> str:
+    return "—" if value is None else f"${value:.4f}"
+
+
+def _short(sha: str | None) -> str:
+    return (sha or "")[:12]
+
+
+def _when(value: datetime | None) -> str:
+    return "—" if value is None else value.isoformat(timespec="seconds")
+
+
+def _diff_class(line: str) -> str:
+    if line.startswith(("+++", "---", "diff --git", "index ")):
+        return "meta"
+    if line.startswith("@@"):
+        return "hunk"
+    if line.startswith("+"):
+        return "add"
+    if line.startswith("-"):
+        return "del"
+    return "ctx"
+
+
+def _badge(outcome: str) -> str:
+    """The CSS class of an outcome badge (a fixed vocabulary, never organism text)."""
+    if is_death(outcome):
+        return "death"
+    if outcome in ("changed", "no-change", "seed", "out-of-loop"):
+        return outcome
+    return "other"
+
+
+def environment() -> Environment:
+    env = Environment(
+        loader=PackageLoader("scheduler.web", "templates"),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(
+        mib=_mib,
+        seconds=_seconds,
+        cpu=_cpu,
+        usd=_usd,
+        short=_short,
+        when=_when,
+        diffclass=_diff_class,
+        badge=_badge,
+    )
+    env.tests["death"] = is_death
+    env.globals["chart"] = chart
+    return env
+
+
+templates = Jinja2Templates(env=environment())

@@ -1,0 +1,266 @@
+"""Helpers for the browsing tests: the legacy fixture, a hostile lineage, a served UI.
+
+The web UI is tested as users meet it: ``schedule-lineage serve`` runs as a
+subprocess in a ``Fleet`` home and is spoken to over real HTTP. The hostile
+lineage is written with the worker's own git and store code (no sandbox needed),
+so organism-made text of every kind (file names, diffs, subjects, journal lines,
+stderr, prompts, responses) can carry markup aimed at the browser.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+from lineage_support import Fleet, free_port
+
+from worker import journal
+from worker.assembly import lineage_cache, observation_store
+from worker.gitrepo import Entry
+from worker.instrument import Instrument
+from worker.lineage import JOURNAL_PATH, ORGANISM_PATH, create_lineage
+from worker.observation import (
+    IndexEntry,
+    LineageIndex,
+    ModelCall,
+    Observation,
+    Provenance,
+    generation_key,
+    index_key,
+)
+from worker.physics import Physics
+from worker.settings import Settings
+
+FIXTURE_BUNDLE = (
+    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "sample-lineage.bundle"
+)
+FIXTURE_GENERATIONS = {
+    1: "died",
+    2: "changed",
+    3: "no-change",
+    4: "no-change",
+    5: "changed",
+}
+FIXTURE_OUT_OF_LOOP = [
+    "human-written signpost: what this repository is and how to read it",
+    "external edit: restore live organism",
+    "external edit: silence probe",
+    "hand-commit: crasher for kill test",
+    "seed",
+]
+FIXTURE_BACKTRACE = [
+    '  error("boom")',
+    '  load-with-code-conversion("/work/organism.el" "/work/organism.el" nil t)',
+    '  command-line-1(("-l" "/work/organism.el"))',
+    "  command-line()",
+    "  normal-top-level()",
+]
+# Markup an unescaped page would run or render: a script, an event handler, a tag.
+PAYLOAD = "<script>alert('xss')</script><img src=x onerror=alert(1)><b>bold</b>"
+PAYLOAD_ESCAPED = (
+    "&lt;script&gt;alert(&#39;xss&#39;)&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;"
+)
+SERVE_START_SECONDS = 30
+
+
+def settings_of(fleet: Fleet) -> Settings:
+    return Settings(home=fleet.home / ".ouroboros")
+
+
+def import_fixture(fleet: Fleet, name: str = "sample") -> None:
+    fleet.ok("import-bundle", str(FIXTURE_BUNDLE), name)
+
+
+def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
+    """A fleet lineage whose every organism-made field carries PAYLOAD.
+
+    gen 1 changed (hostile file name and diff), an out-of-loop commit with a hostile
+    subject, gen 2 died with hostile stderr lines; both observed with hostile
+    stderr, prompts, responses and errors.
+    """
+    cache, store = lineage_cache(settings), observation_store(settings)
+    seed = f";; seed {PAYLOAD}\n".encode()
+    instrument = Instrument(
+        fingerprint="e" * 64, version="0.1.0", scripts={}, seed=seed, sources={}
+    )
+    create_lineage(
+        name=name,
+        seed=seed,
+        physics=Physics(),
+        instrument=instrument,
+        commit="a" * 40,
+        repository="tests",
+        ref="tests",
+        repo_url=settings.lineage_repo_url,
+        cache=cache,
+        store=store,
+    )
+    head = cache.fetch(name)
+    assert head is not None
+    tree = cache.tree(head)
+    when = datetime(2026, 3, 1, tzinfo=UTC)
+
+    def blob(content: str | bytes) -> Entry:
+        data = content.encode() if isinstance(content, str) else content
+        return Entry("100644", cache.hash_bytes(data))
+
+    def land(entries: dict[str, Entry], subject: str) -> str:
+        nonlocal head
+        assert head is not None
+        commit = cache.commit(head, entries, subject)
+        assert cache.push_cas(name, commit, head)
+        head = commit
+        return commit
+
+    summary = journal.changed_summary((2, 1), 2)
+    log = journal.append(b"", journal.entry_changed(1, summary, when))
+    gen1_parent = head
+    tree.update(
+        {
+            ORGANISM_PATH: blob(f';; body\n(message "{PAYLOAD}")\n'),
+            f"{PAYLOAD}.el": blob(f"{PAYLOAD}\n"),
+            JOURNAL_PATH: blob(log),
+        }
+    )
+    gen1 = land(dict(tree), journal.subject_changed(1, summary))
+    land(dict(tree, **{"notes.txt": blob(PAYLOAD)}), f"external edit: {PAYLOAD}")
+    gen2_parent = head
+    # A terminal escape too: the CLI must not let it act on the reader's terminal.
+    stderr = f'first line\n{PAYLOAD}\n\x1b[2J(error "{PAYLOAD}")\n'
+    log = journal.append(log, journal.entry_died(2, 255, stderr, when))
+    tree[JOURNAL_PATH] = blob(log)
+    gen2 = land(dict(tree), journal.subject_died(2, 255))
+    observations = [
+        _observation(name, 1, gen1_parent, gen1, "changed", when, ""),
+        _observation(name, 2, gen2_parent, gen2, "process_exit", when, stderr),
+    ]
+    for observation in observations:
+        store.put_once(
+            generation_key(name, observation.generation),
+            observation.model_dump_json(by_alias=True).encode(),
+        )
+    index = LineageIndex(lineage=name, generations=[IndexEntry.of(o) for o in observations])
+    store.put(index_key(name), index.model_dump_json().encode())
+
+
+def _observation(
+    name: str,
+    generation: int,
+    parent: str,
+    commit: str,
+    outcome: str,
+    when: datetime,
+    stderr: str,
+) -> Observation:
+    prompt = f"Rewrite yourself. {PAYLOAD}"
+    return Observation(
+        lineage=name,
+        generation=generation,
+        parent_commit=parent,
+        lineage_commit=commit,
+        started_at=when - timedelta(seconds=3),
+        finished_at=when,
+        duration_seconds=2.5 + generation,
+        outcome=outcome,  # type: ignore[arg-type]
+        exit_status=255 if outcome == "process_exit" else 0,
+        driver_result="exited",
+        cpu_usage_nsec=generation * 10**9,
+        memory_peak_bytes=generation * 50 * 2**20,
+        oom_kills=0,
+        figure_sources={"cpu_usage_nsec": f"test {PAYLOAD}"},
+        archive_bytes=10240,
+        published_bytes=100,
+        published_files=3,
+        provider="scripted",
+        model="scripted",
+        constraints=Physics(),
+        model_calls=[
+            ModelCall(
+                index=1,
+                started_at=when - timedelta(seconds=2),
+                duration_seconds=0.5,
+                status=200,
+                prompt=prompt,
+                response=f'(message "{PAYLOAD}")',
+                prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(),
+                response_sha256=None,
+                requested_output_tokens=100,
+                input_tokens=40,
+                output_tokens=12,
+                reserved_usd=Decimal("0.01"),
+                cost_usd=Decimal("0.0012"),
+                error=PAYLOAD,
+            )
+        ],
+        spent_usd=Decimal("0.0012"),
+        stderr=stderr,
+        stderr_truncated=False,
+        provenance=Provenance(
+            worker_host=PAYLOAD,
+            fleet_version="0.1.0",
+            instrument_fingerprint="e" * 64,
+            ceiling_driver="cgroup1",
+            bwrap_version="bwrap",
+            emacs_version="emacs",
+        ),
+    )
+
+
+class Served:
+    """``schedule-lineage serve`` running for a fleet home, spoken to over HTTP."""
+
+    def __init__(self, fleet: Fleet, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "serve", "--port", str(self.port)],
+            env=fleet.env,
+            cwd=fleet.home,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=30, follow_redirects=False)
+        deadline = time.monotonic() + SERVE_START_SECONDS
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve exited {self.process.returncode}: {log.read_text()}")
+            try:
+                self.client.get("/openapi.json")
+                return
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def get(self, path: str) -> httpx.Response:
+        return self.client.get(path)
+
+    def raw(self, request_target: str) -> int:
+        """Status of a request sent byte for byte (no client-side path normalisation)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
+            sock.sendall(
+                f"GET {request_target} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                "Connection: close\r\n\r\n".encode()
+            )
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        return int(reply.split(b" ", 2)[1])
+
+    def stop(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()

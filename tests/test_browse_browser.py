@@ -1,0 +1,157 @@
+"""A real browser (Debian's chromium, headless, driven by Playwright) walks the web UI."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from browse_support import (
+    FIXTURE_BACKTRACE,
+    PAYLOAD,
+    Served,
+    import_fixture,
+    settings_of,
+    write_hostile_lineage,
+)
+from lineage_support import Fleet
+from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, sync_playwright
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+class Watched:
+    """A page whose console errors, script errors, dialogs and requests are recorded."""
+
+    def __init__(self, page: Page, base: str, shots: Path) -> None:
+        self.page, self.base, self.shots = page, base, shots
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.foreign: list[str] = []
+        page.on("console", self._console)
+        page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
+        page.on("dialog", self._dialog)
+        page.on("request", self._request)
+
+    def _console(self, message: ConsoleMessage) -> None:
+        if message.type == "error":
+            self.errors.append(f"console: {message.text}")
+
+    def _dialog(self, dialog: Dialog) -> None:
+        self.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    def _request(self, request: Request) -> None:
+        if not request.url.startswith((self.base, "data:")):
+            self.foreign.append(request.url)
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(self.shots / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    home = tmp_path_factory.mktemp("browse-browser")
+    fleet = Fleet(home)
+    import_fixture(fleet)
+    write_hostile_lineage(settings_of(fleet))
+    server = Served(fleet, home / "serve.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def browser_page(served: Served, tmp_path: Path) -> Iterator[Watched]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(15_000)
+            yield Watched(page, served.url, tmp_path)
+        finally:
+            browser.close()
+
+
+def test_walk_overview_lineage_generation_death_and_compare(
+    served: Served, browser_page: Watched
+) -> None:
+    watched, page = browser_page, browser_page.page
+    page.goto(served.url + "/")
+    assert page.locator("h1").inner_text() == "Fleet overview"
+    assert "no live workers answered" in page.locator("#workers").inner_text()
+    watched.shot("1-overview")
+
+    page.locator("#lineages").get_by_role("link", name="sample", exact=True).click()
+    page.wait_for_url("**/lineages/sample")
+    rows = page.locator("#generations tbody tr")
+    assert rows.count() == 10
+    numbers = [n.inner_text() for n in page.locator("#generations tbody td.num a").all()]
+    assert numbers == ["5", "4", "3", "2", "1"]
+    assert "external edit: silence probe" in page.locator("#generations").inner_text()
+    watched.shot("2-lineage")
+
+    page.locator("#generations").get_by_role("link", name="2", exact=True).click()
+    page.wait_for_url("**/lineages/sample/generations/2")
+    assert "sample generation 2" in page.locator("h1").inner_text()
+    assert "organism.el" in page.locator("details.diff summary").first.inner_text()
+    watched.shot("3-generation")
+
+    page.locator('nav.pager a[href="/lineages/sample/generations/1"]').click()
+    page.wait_for_url("**/lineages/sample/generations/1")
+    assert "died" in page.locator("h1").inner_text()
+    assert page.locator("#lethal-body").inner_text().rstrip().endswith('(error "boom")')
+    backtrace = page.locator("#backtrace").inner_text()
+    assert [line.strip() for line in backtrace.strip().splitlines()] == [
+        line.strip() for line in FIXTURE_BACKTRACE
+    ]
+    watched.shot("4-death")
+
+    page.get_by_role("link", name="sample", exact=True).first.click()
+    page.wait_for_url("**/lineages/sample")
+    page.get_by_label("first generation").fill("1")
+    page.get_by_label("second generation").fill("5")
+    page.get_by_role("button", name="compare").click()
+    page.wait_for_url("**/lineages/sample/compare/1/5")
+    assert "generation 1 against 5" in page.locator("h1").inner_text()
+    assert "README.md" in page.locator("main").inner_text()
+    watched.shot("5-compare")
+
+    assert watched.errors == []
+    assert watched.foreign == []
+
+
+def test_hostile_pages_run_nothing_in_the_browser(served: Served, browser_page: Watched) -> None:
+    watched, page = browser_page, browser_page.page
+    for path in (
+        "/",
+        "/lineages/xss",
+        "/lineages/xss/generations/1",
+        "/lineages/xss/generations/2",
+        "/lineages/xss/compare/1/2",
+    ):
+        page.goto(served.url + path)
+        page.wait_for_load_state("load")
+        # The markup is text on the page, never elements.
+        assert page.locator("script").count() == 0, path
+        assert page.locator("img").count() == 0, path
+        assert page.locator("b").count() == 0, path
+    assert PAYLOAD in page.locator("main").inner_text()
+    assert page.evaluate("() => document.querySelectorAll('[onerror]').length") == 0
+    watched.shot("6-hostile-compare")
+    page.goto(served.url + "/lineages/xss/generations/2")
+    assert PAYLOAD in page.locator("#stderr").inner_text()
+    watched.shot("7-hostile-death")
+    assert watched.dialogs == []
+    assert watched.errors == []
