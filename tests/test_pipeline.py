@@ -313,3 +313,32 @@ def push_hand_commit(fleet: Fleet, lineage: str, files: dict[str, str], subject:
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-qm", subject], check=True)
     subprocess.run([*git, "push", "-q", "origin", f"lineage-{lineage}"], check=True)
+
+
+def test_result_holding_a_kernel_owned_path_dies_as_decoder_rejection(fleet: Fleet) -> None:
+    make_lineage(
+        fleet,
+        "forger",
+        '(with-temp-file "/work/journal.md" (insert "## gen 99 — forged\\n"))\n'
+        '(with-temp-file "/work/extra.txt" (insert "speculative"))\n',
+    )
+    run_one(fleet, "forger")
+    assert fleet.subjects("forger")[0] == "gen 1: died (exit 0); staged writes discarded"
+    assert "extra.txt" not in fleet.files("forger")
+    assert "forged" not in fleet.show("forger", "journal.md")
+    observation = fleet.observation("forger", 1)
+    assert observation["outcome"] == "decoder_rejection"
+    assert "journal.md" in observation["rejection_reason"]
+
+
+def test_result_holding_a_git_directory_dies_as_decoder_rejection(fleet: Fleet) -> None:
+    make_lineage(
+        fleet,
+        "smuggler",
+        '(make-directory "/work/.git/hooks" t)\n'
+        '(with-temp-file "/work/.git/hooks/post-checkout" (insert "#!/bin/sh\\n"))\n',
+    )
+    run_one(fleet, "smuggler")
+    observation = fleet.observation("smuggler", 1)
+    assert observation["outcome"] == "decoder_rejection"
+    assert not any(path.startswith(".git") for path in fleet.files("smuggler"))

@@ -1,0 +1,98 @@
+"""Crash-safe publication: a worker that dies between its spool checkpoint and the push
+(or the observation) loses nothing; the next worker process on the host finishes it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from lineage_support import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
+
+from worker.assembly import build_pipeline
+from worker.generation import GenerationJob
+from worker.settings import Settings
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
+
+
+class Crash(BaseException):
+    """Stands for the process dying: nothing after it runs, no handler catches it."""
+
+
+def settings_for(fleet: Fleet) -> Settings:
+    return Settings(
+        home=fleet.home / ".ouroboros",
+        instrument_commit=INSTRUMENT_COMMIT,
+        model_provider="scripted",
+    )
+
+
+def test_crash_after_the_checkpoint_is_finished_by_the_next_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "phoenix", *SMALL_PHYSICS)
+    monkeypatch.chdir(tmp_path)
+    first = build_pipeline(settings_for(fleet))
+    head = first.head("phoenix")
+
+    def die(*_: object) -> bool:
+        raise Crash
+
+    monkeypatch.setattr(first.cache, "push_cas", die)
+    with pytest.raises(Crash):
+        first.run(GenerationJob(lineage="phoenix", expected_commit=head, provider="scripted"))
+    assert fleet.subjects("phoenix") == ["seed"]
+    pending = list((tmp_path / ".ouroboros/state/spool").glob("phoenix.*.json"))
+    assert len(pending) == 1
+
+    restarted = build_pipeline(settings_for(fleet))
+    assert restarted.drain() == 0
+    assert fleet.subjects("phoenix")[0].startswith("gen 1: changed")
+    observation = fleet.observation("phoenix", 1)
+    assert observation["lineage_commit"] == fleet.git("rev-parse", "lineage-phoenix").strip()
+    assert not list((tmp_path / ".ouroboros/state/spool").glob("*.json"))
+    index = json.loads((fleet.observations / "lineages/phoenix/index.json").read_text())
+    assert [entry["generation"] for entry in index["generations"]] == [1]
+
+
+def test_a_checkpoint_whose_push_lost_the_race_is_discarded_not_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_pipeline import push_hand_commit
+
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "loser", *SMALL_PHYSICS)
+    monkeypatch.chdir(tmp_path)
+    first = build_pipeline(settings_for(fleet))
+    head = first.head("loser")
+
+    def die(*_: object) -> bool:
+        raise Crash
+
+    monkeypatch.setattr(first.cache, "push_cas", die)
+    with pytest.raises(Crash):
+        first.run(GenerationJob(lineage="loser", expected_commit=head, provider="scripted"))
+    push_hand_commit(fleet, "loser", {"notes.txt": "meanwhile\n"}, "external edit: meanwhile")
+
+    restarted = build_pipeline(settings_for(fleet))
+    assert restarted.drain() == 0
+    assert fleet.subjects("loser") == ["external edit: meanwhile", "seed"]
+    assert fleet.observation_numbers("loser") == []
+    assert not list((tmp_path / ".ouroboros/state/spool").glob("*.json"))
+
+
+def test_settings_come_from_a_toml_file_under_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "fleet.toml"
+    config.write_text('ceiling = "cgroup1"\nconcurrency = 4\nmodel_provider = "openai"\n')
+    monkeypatch.setenv("OUROBOROS_CONFIG", str(config))
+    monkeypatch.setenv("OUROBOROS_CONCURRENCY", "2")
+    settings = Settings()
+    assert settings.ceiling == "cgroup1"
+    assert settings.model_provider == "openai"
+    assert settings.concurrency == 2  # the environment wins over the file
+    assert os.environ["OUROBOROS_CONFIG"] == str(config)
