@@ -17,13 +17,13 @@ import click
 import redis
 from kombu.exceptions import OperationalError
 from pydantic import BaseModel, ValidationError
-from rich.console import Console
 from rich.table import Table
 
 from scheduler import views_cli
 from scheduler.doctor import checks
 from scheduler.fleet import Fleet
 from scheduler.follow import describe, watch
+from scheduler.output import console, errors
 from worker.assembly import build_pipeline, lineage_cache, observation_store
 from worker.broker import make_provider
 from worker.broker.providers import PROVIDER_NAMES
@@ -35,9 +35,6 @@ from worker.lineage import check_name, create_lineage, read_seed, root_metadata
 from worker.physics import Physics
 from worker.settings import Settings
 from worker.store import StoreUnavailable
-
-console = Console()
-errors = Console(stderr=True)
 
 
 def load_settings() -> Settings:
@@ -214,30 +211,21 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
         check_name(name)
     rows = Fleet(settings).statuses(list(names) or None)
     table = Table(
-        "lineage",
-        "gen",
-        "target",
-        "done",
-        "in flight",
-        "last",
-        "deaths",
-        "spent",
-        "backlog",
-        "state",
+        "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
     )
+    table.columns[0].no_wrap = True
     for row in rows:
         state = row.blocked or row.stopped or ("running" if row.in_flight else "idle")
         if row.waiting_for_instrument:
             state = f"waiting: no live worker serves {row.queue}"
         table.add_row(
             row.lineage,
-            str(row.generation),
-            str(row.target or "-"),
-            str(row.done),
+            f"{row.generation}/{row.target}" if row.target else str(row.generation),
             "yes" if row.in_flight else "no",
             row.last_outcome or "-",
             str(row.deaths),
-            f"${row.spent_usd}" + (f" / ${row.budget_usd}" if row.budget_usd is not None else ""),
+            f"${row.spent_usd:.4f}"
+            + (f" of ${row.budget_usd}" if row.budget_usd is not None else ""),
             str(row.observation_backlog),
             state,
         )

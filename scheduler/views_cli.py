@@ -21,19 +21,18 @@ from typing import Any
 
 import click
 from pydantic import TypeAdapter
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from scheduler.browse import GenerationRow, GenerationView, JournalRow, is_death
 from scheduler.importer import import_bundle
+from scheduler.output import console
 from scheduler.reader import NotFound, Reader, open_reader, parse_generation
 from worker.errors import Refusal
 from worker.observation import Observation
 from worker.settings import Settings
 from worker.store import StoreUnavailable
 
-console = Console()
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
