@@ -1,14 +1,16 @@
 """The CLI's two consoles: results on stdout, refusals and warnings on stderr.
 
-Piped output (CI logs, ``| less``) gets a wider page than rich's 80-column fallback.
+Piped output (CI logs, ``| less``) gets a wider page than rich's 80-column fallback,
+unless ``COLUMNS`` says how wide the page is.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rich.console import Console
 
-WIDTH = None if sys.stdout.isatty() else 140
+WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 140
 console = Console(width=WIDTH)
 errors = Console(stderr=True, width=WIDTH)
