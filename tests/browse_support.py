@@ -264,3 +264,11 @@ class Served:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+def serve_sample_and_hostile(home: Path) -> Served:
+    """A web UI over the imported legacy fixture and a lineage full of hostile text."""
+    fleet = Fleet(home)
+    import_fixture(fleet)
+    write_hostile_lineage(settings_of(fleet))
+    return Served(fleet, home / "serve.log")

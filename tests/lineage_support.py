@@ -104,7 +104,7 @@ def seed_file(directory: Path, body: str, name: str = "seed.el") -> Path:
 class Worker:
     """A real ``celery -A worker worker`` process in its own process group."""
 
-    def __init__(self, fleet: Fleet, name: str, **env: str) -> None:
+    def __init__(self, fleet: Fleet, name: str, *extra_args: str, **env: str) -> None:
         self.name = name
         self.log_path = fleet.home / f"worker-{name}.log"
         self.log = self.log_path.open("wb")
@@ -122,6 +122,7 @@ class Worker:
                 "--concurrency=1",
                 "--without-gossip",
                 "--without-mingle",
+                *extra_args,
             ],
             # As every launcher does (units, image, demo): the worker package's own
             # __init__ is compiled before its first line can switch bytecode off.

@@ -10,11 +10,8 @@ from browse_support import (
     FIXTURE_BACKTRACE,
     PAYLOAD,
     Served,
-    import_fixture,
-    settings_of,
-    write_hostile_lineage,
+    serve_sample_and_hostile,
 )
-from lineage_support import Fleet
 from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, sync_playwright
 
 pytestmark = pytest.mark.browser
@@ -63,11 +60,7 @@ class Watched:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    home = tmp_path_factory.mktemp("browse-browser")
-    fleet = Fleet(home)
-    import_fixture(fleet)
-    write_hostile_lineage(settings_of(fleet))
-    server = Served(fleet, home / "serve.log")
+    server = serve_sample_and_hostile(tmp_path_factory.mktemp("browse-browser"))
     yield server
     server.stop()
 

@@ -9,11 +9,8 @@ from browse_support import (
     PAYLOAD,
     PAYLOAD_ESCAPED,
     Served,
-    import_fixture,
-    settings_of,
-    write_hostile_lineage,
+    serve_sample_and_hostile,
 )
-from lineage_support import Fleet
 
 HOSTILE_PAGES = [
     "/",
@@ -26,11 +23,7 @@ HOSTILE_PAGES = [
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    home = tmp_path_factory.mktemp("browse-safety")
-    fleet = Fleet(home)
-    import_fixture(fleet)
-    write_hostile_lineage(settings_of(fleet))
-    server = Served(fleet, home / "serve.log")
+    server = serve_sample_and_hostile(tmp_path_factory.mktemp("browse-safety"))
     yield server
     server.stop()
 

@@ -64,8 +64,8 @@ def workers() -> Iterator[list[Worker]]:
         worker.stop()
 
 
-def start(fleet: Fleet, workers: list[Worker], name: str, **env: str) -> Worker:
-    worker = Worker(fleet, name, **env)
+def start(fleet: Fleet, workers: list[Worker], name: str, *extra_args: str, **env: str) -> Worker:
+    worker = Worker(fleet, name, *extra_args, **env)
     workers.append(worker)
     worker.wait_ready()
     return worker
@@ -345,6 +345,18 @@ def test_redis_restarted_with_data_lost_mid_run_recovers_every_run(
         server.wait()
     for name in names:
         assert_linear(fleet, name, 4)
+
+
+def test_beat_reconciles_a_run_whose_queue_was_lost(fleet: Fleet, workers: list[Worker]) -> None:
+    seed = seed_file(fleet.home, WRITES_STATE)
+    fleet.ok("init", "beaten", "--seed", str(seed), *SMALL_PHYSICS)
+    fleet.ok("run", "beaten", "--generations", "2")
+    # The queued job and its in-flight marker vanish, as with a Redis that lost its data.
+    redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"]).flushdb()
+    beat_schedule = fleet.home / "beat-schedule"
+    start(fleet, workers, "w1", "--beat", f"--schedule={beat_schedule}")
+    wait_for(lambda: len(generations(fleet, "beaten")) == 2, 120, "beat to restore the run")
+    assert_linear(fleet, "beaten", 2)
 
 
 def _pings(client: redis.Redis) -> bool:
