@@ -33,6 +33,7 @@ from worker.gitrepo import GitError
 from worker.instrument import current, instrument_commit, instrument_provenance
 from worker.lineage import check_name, create_lineage, read_seed, root_metadata
 from worker.physics import Physics
+from worker.planner import job_of
 from worker.settings import Settings
 from worker.store import StoreUnavailable
 
@@ -141,19 +142,22 @@ def run(
             f"to one of {', '.join(PROVIDER_NAMES)}"
         )
     fleet = Fleet(settings)
+    planner = fleet.planner
+    heads = {}
     for name in names:
         check_name(name)
-        if fleet.planner.cache.fetch(name) is None:
+        heads[name] = planner.cache.fetch(name)
+        if heads[name] is None:
             raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
-    for name in names:
-        head = fleet.planner.cache.fetch(name) or ""
-        physics = root_metadata(fleet.planner.cache, head, name).physics
+    for name, head in heads.items():
+        physics = root_metadata(planner.cache, head, name).physics
         budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
-        record = fleet.planner.start_run(name, generations, provider, model, budget)
-        fleet.planner.enqueue(name)
+        record = planner.start_run(name, head, generations, provider, model, budget)
+        planner.enqueue(name, job_of(record, head, record.budget_usd))
         console.print(
             f"run {record.run_id}: {name} to generation {record.target_generation}, "
-            f"budget ${record.budget_usd}, {provider}"
+            f"budget ${record.budget_usd}, {provider}",
+            highlight=False,
         )
     if follow or wait:
         final = watch(fleet, list(names), console, show=follow)
@@ -207,9 +211,12 @@ def emit(rows: list[BaseModel], as_json: bool, table: Table) -> None:
 def status(names: tuple[str, ...], as_json: bool) -> None:
     """Where each lineage stands: target, done, in flight, last outcome, deaths, spend."""
     settings = load_settings()
+    fleet = Fleet(settings)
     for name in names:
         check_name(name)
-    rows = Fleet(settings).statuses(list(names) or None)
+        if fleet.planner.cache.fetch(name) is None:
+            raise Refusal(f"no lineage named {name}; see schedule-lineage status for all")
+    rows = fleet.statuses(list(names) or None)
     table = Table(
         "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
     )

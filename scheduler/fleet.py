@@ -80,7 +80,7 @@ class Fleet:
     def status(self, lineage: str, served: set[str] | None) -> LineageStatus:
         planner = self.planner
         head = planner.cache.fetch(lineage)
-        generation = planner.generation_count(head) if head else 0
+        generation = planner.generation_count(lineage, head) if head else 0
         index = planner.index(lineage).generations
         run = planner.latest_run(lineage)
         progress = planner.progress(run, head) if run and head else None

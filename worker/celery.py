@@ -31,6 +31,7 @@ from worker.generation import GenerationJob, Pipeline
 from worker.instrument import Instrument, current
 from worker.planner import Planner
 from worker.settings import Settings
+from worker.store import StoreUnavailable
 
 GENERATION_TASK = "ouroboros.generation"
 RECONCILE_TASK = "ouroboros.reconcile"
@@ -145,10 +146,15 @@ def generation(self: object, payload: object = None) -> str:
         coordination.clear_in_flight(client, job.lineage, request.id)
         lease.release()
     follow = planner().follow_up(job, report) if report else None
-    if follow is not None:
-        planner().submit(follow)
-    elif outcome == "stale":
-        planner().enqueue(job.lineage)
+    try:
+        if follow is not None:
+            planner().submit(follow)
+        else:
+            # Stale, refused elsewhere, finished, or superseded by a newer run: ask the
+            # durable record what (if anything) comes next.
+            planner().enqueue(job.lineage)
+    except StoreUnavailable as exc:
+        log.warning("%s: cannot plan now (%s); the reconciler will", job.lineage, exc)
     return outcome
 
 

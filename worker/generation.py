@@ -141,7 +141,7 @@ class Pipeline:
             )
         meta = root_metadata(self.cache, parent, job.lineage)
         check_continuable(meta, self.instrument, self.instrument_commit)
-        generation = 1 + sum(s.startswith("gen ") for s in self.cache.subjects(parent))
+        generation = 1 + self.cache.history(job.lineage, parent).generations
         provider = make_provider(job.provider, job.model, self.settings)
         tree = self.cache.tree(parent)
         blobs = self.cache.cat_blobs(entry.sha for entry in tree.values())

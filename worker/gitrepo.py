@@ -40,8 +40,6 @@ _SAFE_CONFIG = (
     "core.excludesFile=/dev/null",
     "diff.external=",
     "core.autocrlf=false",
-    "gc.auto=0",
-    "maintenance.auto=false",
     # Objects and refs reach the disk before a spool entry says they exist.
     "core.fsync=committed",
 )
@@ -54,6 +52,19 @@ class GitError(RuntimeError):
 class Entry(NamedTuple):
     mode: str
     sha: str
+
+
+class Lineage(NamedTuple):
+    """What the cache knows of a lineage at one head: its root and its generation count."""
+
+    head: str
+    root: str
+    generations: int
+
+
+def _generations(subjects: Iterable[str]) -> int:
+    """Generations are counted by subject, never by position (hand commits exist)."""
+    return sum(subject.startswith("gen ") for subject in subjects)
 
 
 def branch_ref(lineage: str) -> str:
@@ -119,6 +130,7 @@ class LineageCache:
     def __init__(self, cache_dir: Path, remote_url: str) -> None:
         self.git_dir = cache_dir
         self.remote_url = remote_url
+        self._known: dict[str, Lineage] = {}
         if not (cache_dir / "HEAD").exists():
             cache_dir.mkdir(parents=True, exist_ok=True)
             self.git("init", "--bare", "--quiet")
@@ -132,9 +144,6 @@ class LineageCache:
     def fetch(self, lineage: str) -> str | None:
         """Fetch one lineage branch (only new objects travel); its head, or None if absent."""
         ref = branch_ref(lineage)
-        listing = self.ls_remote(ref).split()
-        if not listing:
-            return None
         refspec = f"+{ref}:{self.tracking_ref(lineage)}"
         for attempt in range(FETCH_ATTEMPTS):
             result = self.git(
@@ -142,14 +151,18 @@ class LineageCache:
             )
             if result.returncode == 0:
                 return self.rev(self.tracking_ref(lineage))
-            # Another process of this host moved the same tracking ref meanwhile.
-            if b"cannot lock ref" not in result.stderr or attempt == FETCH_ATTEMPTS - 1:
+            if b"couldn't find remote ref" in result.stderr:
+                return None
+            if b"cannot lock ref" not in result.stderr:
+                # Tells an unreadable repository (a Refusal) from a failed transfer.
+                self.ls_remote(ref)
                 raise GitError(
                     f"git fetch of {ref} failed: "
                     f"{result.stderr.decode(errors='replace').strip()[-500:]}"
                 )
+            # Another process of this host moved the same tracking ref meanwhile.
             time.sleep(0.05 * (attempt + 1))
-        raise AssertionError("unreachable")
+        raise GitError(f"git fetch of {ref} kept losing its ref lock to other processes")
 
     def ls_remote(self, *patterns: str) -> str:
         """The shared repository's matching refs; a Refusal if it cannot be read at all."""
@@ -202,8 +215,35 @@ class LineageCache:
             pos = header_end + 1 + size + 1
         return blobs
 
-    def subjects(self, commit: str) -> list[str]:
-        return self.git("log", "--format=%s", commit).stdout.decode(errors="replace").splitlines()
+    def history(self, lineage: str, head: str) -> Lineage:
+        """The root commit and the number of ``gen `` commits up to ``head``.
+
+        Remembered per lineage and extended by the new commits only when ``head``
+        descends from the last one seen, so the cost of a generation does not grow
+        with the length of its history.
+        """
+        known = self._known.get(lineage)
+        if known is not None and known.head == head:
+            return known
+        if known is not None and self.is_ancestor(known.head, head):
+            subjects = self._log("%s", f"{known.head}..{head}")
+            found = Lineage(head, known.root, known.generations + _generations(subjects))
+        else:
+            records = [line.split("\0", 2) for line in self._log("%H%x00%P%x00%s", head)]
+            roots = [sha for sha, parents, _ in records if not parents]
+            found = Lineage(
+                head, roots[-1] if roots else head, _generations(s for _, _, s in records)
+            )
+        self._known[lineage] = found
+        return found
+
+    def is_ancestor(self, ancestor: str, descendant: str) -> bool:
+        result = self.git("merge-base", "--is-ancestor", ancestor, descendant, check=False)
+        return result.returncode == 0
+
+    def _log(self, fmt: str, revisions: str) -> list[str]:
+        out = self.git("log", f"--format={fmt}", revisions).stdout
+        return out.decode(errors="replace").splitlines()
 
     def body_before(self, commit: str, path: str, rollback_subject: str) -> bytes | None:
         """The body ``path`` had before the last change to it that was not a rollback.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 from datetime import UTC, datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -101,8 +102,13 @@ def check_continuable(meta: LineageMetadata, instrument: Instrument, commit: str
 
 def root_metadata(cache: LineageCache, head: str, lineage: str) -> LineageMetadata:
     """The metadata of the lineage's root commit (out-of-loop commits cannot alter it)."""
-    roots = cache.git("rev-list", "--max-parents=0", head).stdout.decode().split()
-    return parse_metadata(cache.read_blob(roots[-1], METADATA_PATH) if roots else None, lineage)
+    return _metadata_at(cache, cache.history(lineage, head).root, lineage)
+
+
+@lru_cache(maxsize=4096)
+def _metadata_at(cache: LineageCache, root: str, lineage: str) -> LineageMetadata:
+    # A commit id names its content for good, so the parsed metadata never goes stale.
+    return parse_metadata(cache.read_blob(root, METADATA_PATH), lineage)
 
 
 def create_lineage(

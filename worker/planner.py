@@ -21,7 +21,6 @@ import redis
 from pydantic import BaseModel, computed_field
 
 from worker import coordination
-from worker.errors import Refusal
 from worker.generation import GenerationJob, GenerationReport
 from worker.gitrepo import BRANCH_PREFIX, LineageCache
 from worker.lineage import LineageMetadata, root_metadata
@@ -36,7 +35,8 @@ Send = Callable[[GenerationJob, str, str, int], None]
 
 
 def new_run_id() -> str:
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
+    """Sortable to the microsecond: a run started right after another must sort after it."""
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ") + "-" + secrets.token_hex(3)
 
 
 def queue_of(meta: LineageMetadata) -> str:
@@ -87,6 +87,20 @@ def run_progress(run: RunRecord, generation: int, entries: Iterable[IndexEntry])
     )
 
 
+def job_of(run: RunRecord, head: str, remaining_usd: Decimal) -> GenerationJob:
+    """The job that advances ``run`` from ``head`` with what its budget has left."""
+    return GenerationJob(
+        lineage=run.lineage,
+        expected_commit=head,
+        provider=run.provider,
+        model=run.model,
+        run_id=run.run_id,
+        target_generation=run.target_generation,
+        budget_usd=remaining_usd,
+        enqueued_at=datetime.now(UTC),
+    )
+
+
 class Planner:
     def __init__(
         self,
@@ -116,7 +130,7 @@ class Planner:
     def runs(self, lineage: str) -> list[RunRecord]:
         keys = self.store.list(f"lineages/{lineage}/runs/")
         records = [RunRecord.model_validate_json(self.store.get(key) or b"{}") for key in keys]
-        return sorted(records, key=lambda run: run.run_id)
+        return sorted(records, key=lambda run: (run.created_at, run.run_id))
 
     def latest_run(self, lineage: str) -> RunRecord | None:
         runs = self.runs(lineage)
@@ -129,19 +143,25 @@ class Planner:
         raw = self.store.get(index_key(lineage))
         return LineageIndex.model_validate_json(raw) if raw else LineageIndex(lineage=lineage)
 
-    def generation_count(self, head: str) -> int:
-        return sum(subject.startswith("gen ") for subject in self.cache.subjects(head))
+    def generation_count(self, lineage: str, head: str) -> int:
+        return self.cache.history(lineage, head).generations
 
     def progress(self, run: RunRecord, head: str) -> Progress:
-        return run_progress(run, self.generation_count(head), self.index(run.lineage).generations)
+        return run_progress(
+            run, self.generation_count(run.lineage, head), self.index(run.lineage).generations
+        )
 
     def start_run(
-        self, lineage: str, generations: int, provider: str, model: str | None, budget: Decimal
+        self,
+        lineage: str,
+        head: str,
+        generations: int,
+        provider: str,
+        model: str | None,
+        budget: Decimal,
     ) -> RunRecord:
-        head = self.cache.fetch(lineage)
-        if head is None:
-            raise Refusal(f"no lineage named {lineage}; create it with schedule-lineage init")
-        current = self.generation_count(head)
+        """Record a new run of ``lineage`` from ``head``; it replaces any active run."""
+        current = self.generation_count(lineage, head)
         run = RunRecord(
             run_id=new_run_id(),
             lineage=lineage,
@@ -154,7 +174,7 @@ class Planner:
         )
         previous = self.latest_run(lineage)
         if previous is not None and previous.status == "active":
-            # A new run replaces the old one: at most one run drives a lineage.
+            # At most one run drives a lineage: the old one ends where the new one starts.
             self.save_run(
                 previous.model_copy(update={"status": "cancelled", "cancelled_at": run.created_at})
             )
@@ -175,7 +195,7 @@ class Planner:
         return cancelled
 
     def plan(self, lineage: str) -> GenerationJob | None:
-        """The next job of ``lineage`` from its durable run record (reconciler, run start)."""
+        """The next job of ``lineage`` from its durable run record (the reconciler's view)."""
         run = self.latest_run(lineage)
         if run is None or run.status != "active":
             return None
@@ -185,16 +205,7 @@ class Planner:
         progress = self.progress(run, head)
         if progress.stopped:
             return None
-        return GenerationJob(
-            lineage=lineage,
-            expected_commit=head,
-            provider=run.provider,
-            model=run.model,
-            run_id=run.run_id,
-            target_generation=run.target_generation,
-            budget_usd=progress.remaining_usd,
-            enqueued_at=datetime.now(UTC),
-        )
+        return job_of(run, head, progress.remaining_usd)
 
     def follow_up(self, job: GenerationJob, report: GenerationReport) -> GenerationJob | None:
         """The job after ``job``, from the message alone: a down store does not stop a run."""
@@ -233,15 +244,15 @@ class Planner:
         self.send(job, job_id, queue_of(meta), hard_time_limit(meta))
         return True
 
-    def enqueue(self, lineage: str) -> GenerationJob | None:
-        """Enqueue the next generation unless one is in flight, blocked, or the run is done."""
+    def enqueue(self, lineage: str, job: GenerationJob | None = None) -> GenerationJob | None:
+        """Enqueue ``job`` (or the planned next one) unless one is in flight or blocked."""
         if (
             coordination.in_flight(self.client, lineage)
             or coordination.lease_held(self.client, lineage)
             or coordination.blocked(self.client, lineage)
         ):
             return None
-        job = self.plan(lineage)
+        job = job or self.plan(lineage)
         return job if job is not None and self.submit(job) else None
 
     def reconcile(self) -> list[str]:

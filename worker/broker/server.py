@@ -171,7 +171,8 @@ class ModelBroker:
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
-            kwargs={"poll_interval": 0.05},
+            # shutdown() waits for the next poll: keep that wait short for every generation.
+            kwargs={"poll_interval": 0.005},
             name=f"model-broker-{self.context.lineage}-{self.context.generation}",
             daemon=True,
         )
