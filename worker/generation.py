@@ -27,13 +27,20 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker import journal
 from worker.broker import GenerationContext, ModelBroker, capabilities, make_provider
 from worker.ceilings import Ceiling
-from worker.decoder import KERNEL_OWNED, DecodeLimits, DecoderRejection, decode_archive
+from worker.decoder import (
+    KERNEL_OWNED,
+    DecodeLimits,
+    DecoderRejection,
+    TreeEntry,
+    decode_archive,
+)
 from worker.errors import Refusal, StaleJob
 from worker.gitrepo import Entry, LineageCache
 from worker.instrument import Instrument
@@ -77,6 +84,17 @@ class GenerationJob(BaseModel):
     target_generation: int | None = Field(None, ge=1)
     budget_usd: Decimal | None = Field(None, ge=0, description="what the run has left")
     enqueued_at: datetime | None = None
+
+
+class Verdict(NamedTuple):
+    """What a life amounts to: its outcome and the tree to commit (journal still to add)."""
+
+    outcome: Outcome
+    rejection: str | None
+    entries: dict[str, Entry]
+    summary: str
+    published_bytes: int
+    published_files: int
 
 
 class GenerationReport(BaseModel):
@@ -166,9 +184,8 @@ class Pipeline:
         run_exhausted = narrowed and any(call.status == 402 for call in calls)
         finished = datetime.now(UTC)
         with tempfile.TemporaryDirectory(prefix="ouro-publish-") as scratch:
-            outcome, rejection, entries, summary, published = self._publish_tree(
-                result, physics, Path(scratch), parent, tree
-            )
+            verdict = self._judge(result, physics, Path(scratch), parent, tree)
+        outcome, summary, entries = verdict.outcome, verdict.summary, verdict.entries
         exit_code = _shell_status(result)
         journal_bytes = blobs.get(tree[JOURNAL_PATH].sha, b"") if JOURNAL_PATH in tree else b""
         stderr_text, truncated = cap_stderr(result.stderr)
@@ -198,7 +215,7 @@ class Pipeline:
             finished_at=finished,
             duration_seconds=result.duration_seconds,
             outcome=outcome,
-            rejection_reason=rejection,
+            rejection_reason=verdict.rejection,
             exit_status=result.exit_status,
             signal=result.signal,
             driver_result=result.figures.result,
@@ -207,8 +224,8 @@ class Pipeline:
             oom_kills=result.figures.oom_kills,
             figure_sources=result.figures.sources,
             archive_bytes=result.archive_bytes,
-            published_bytes=published[0],
-            published_files=published[1],
+            published_bytes=verdict.published_bytes,
+            published_files=verdict.published_files,
             provider=provider.name,
             model=provider.model,
             constraints=physics,
@@ -300,19 +317,17 @@ class Pipeline:
         )
         self.store.put(key, index.with_entry(IndexEntry.of(observation)).model_dump_json().encode())
 
-    def _publish_tree(
+    def _judge(
         self,
         result: SandboxResult,
         physics: Physics,
         scratch: Path,
         parent: str,
         tree: Mapping[str, Entry],
-    ) -> tuple[Outcome, str | None, dict[str, Entry], str, tuple[int, int]]:
-        """Outcome, rejection reason, the new tree (journal still to add), summary, sizes."""
-        kept = {path: entry for path, entry in tree.items() if path in KERNEL_OWNED}
+    ) -> Verdict:
+        """What the life amounts to: a death, or the organism's tree through the decoder."""
         death = result.death()
         rejection = "result archive exceeds the cap" if death == "decoder_rejection" else None
-        decoded = None
         if death is None:
             if result.archive is None:
                 raise RuntimeError("sandbox reported success without an archive")
@@ -322,35 +337,47 @@ class Pipeline:
                 )
             except DecoderRejection as exc:
                 death, rejection = "decoder_rejection", str(exc)
-        if death is not None or decoded is None:
-            entries = {p: e for p, e in tree.items() if p != JOURNAL_PATH}
-            previous = self.cache.body_before(parent, ORGANISM_PATH, journal.DEATH_SUBJECT)
-            if previous is not None and ORGANISM_PATH in entries:
-                entries[ORGANISM_PATH] = Entry(
-                    entries[ORGANISM_PATH].mode, self.cache.hash_bytes(previous)
-                )
-            return death or "decoder_rejection", rejection, entries, "", (0, 0)
+            else:
+                return self._published(decoded, scratch / "tree", tree)
+        return Verdict(death, rejection, self._rolled_back(parent, tree), "", 0, 0)
+
+    def _rolled_back(self, parent: str, tree: Mapping[str, Entry]) -> dict[str, Entry]:
+        """The parent's tree with organism.el one body back: nothing the dead life wrote."""
+        entries = {p: e for p, e in tree.items() if p != JOURNAL_PATH}
+        previous = self.cache.body_before(parent, ORGANISM_PATH, journal.DEATH_SUBJECT)
+        if previous is not None and ORGANISM_PATH in entries:
+            entries[ORGANISM_PATH] = Entry(
+                entries[ORGANISM_PATH].mode, self.cache.hash_bytes(previous)
+            )
+        return entries
+
+    def _published(
+        self, decoded: list[TreeEntry], root: Path, tree: Mapping[str, Entry]
+    ) -> Verdict:
+        """The organism's decoded tree plus the kernel's own files, compared with the parent."""
         files = [e for e in decoded if e.kind == "file"]
-        shas = self.cache.hash_files([scratch / "tree" / e.path for e in files])
+        shas = self.cache.hash_files([root / e.path for e in files])
         made: dict[str, Entry] = {
             e.path: Entry("100755" if e.executable else "100644", sha)
             for e, sha in zip(files, shas, strict=True)
         }
         for e in decoded:
-            if e.kind == "symlink":
+            if e.kind == "symlink" and e.target is not None:
                 made[e.path] = Entry("120000", self.cache.hash_bytes(e.target.encode()))
         before = {p: e for p, e in tree.items() if p not in KERNEL_OWNED}
         changed = sorted(p for p in before.keys() | made.keys() if before.get(p) != made.get(p))
+        kernel_kept = {p: e for p, e in tree.items() if p in KERNEL_OWNED and p != JOURNAL_PATH}
+        entries = {**made, **kernel_kept}
         sizes = (sum(e.size for e in files), len(decoded))
-        entries = {**made, **{p: e for p, e in kept.items() if p != JOURNAL_PATH}}
         if not changed:
-            return "no-change", None, entries, "", sizes
+            return Verdict("no-change", None, entries, "", *sizes)
         delta = None
         if ORGANISM_PATH in changed:
             old, new = before.get(ORGANISM_PATH), made.get(ORGANISM_PATH)
             delta = self.cache.numstat(old.sha if old else None, new.sha if new else None)
-        summary = journal.changed_summary(delta, len(changed))
-        return "changed", None, entries, summary, sizes
+        return Verdict(
+            "changed", None, entries, journal.changed_summary(delta, len(changed)), *sizes
+        )
 
     @contextmanager
     def _kernel_dir(
