@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import click
@@ -23,7 +23,7 @@ from scheduler import views_cli
 from scheduler.doctor import checks
 from scheduler.fleet import Fleet
 from scheduler.follow import describe, watch
-from scheduler.output import console, errors
+from scheduler.output import console, errors, warn
 from worker.assembly import build_pipeline, lineage_cache, observation_store
 from worker.broker import make_provider
 from worker.broker.providers import PROVIDER_NAMES
@@ -36,6 +36,28 @@ from worker.physics import Physics
 from worker.planner import job_of
 from worker.settings import Settings
 from worker.store import StoreUnavailable
+
+
+class Money(click.ParamType):
+    """A finite, non-negative amount of US dollars, as a Decimal."""
+
+    name = "usd"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> Decimal:
+        if isinstance(value, Decimal):
+            return value
+        try:
+            amount = Decimal(str(value).strip())
+        except InvalidOperation:
+            self.fail(f"{value!r} is not an amount of dollars, e.g. 1.50", param, ctx)
+        if not amount.is_finite() or amount < 0:
+            self.fail(f"{value!r} must be a finite amount of dollars, 0 or more", param, ctx)
+        return amount
+
+
+USD = Money()
 
 
 def load_settings() -> Settings:
@@ -78,7 +100,7 @@ def cli() -> None:
 @click.option("--max-prompt-bytes", type=int, help="Largest prompt [196608].")
 @click.option("--max-output-tokens", type=int, help="Largest reply in tokens [12000].")
 @click.option("--model-timeout", "model_timeout_seconds", type=int, help="Model timeout s [600].")
-@click.option("--budget-usd", type=Decimal, help="Spending budget per generation [1.00].")
+@click.option("--budget-usd", type=USD, help="Spending budget per generation [1.00].")
 def init(name: str, seed: Path | None, **physics_options: object) -> None:
     """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics."""
     settings = load_settings()
@@ -111,7 +133,7 @@ def init(name: str, seed: Path | None, **physics_options: object) -> None:
 @click.option("--provider", help="Model provider [OUROBOROS_MODEL_PROVIDER].")
 @click.option("--model", help="Model name [OUROBOROS_MODEL_NAME].")
 @click.option(
-    "--budget-usd", type=Decimal, help="Total budget of the run [per-generation budget times N]."
+    "--budget-usd", type=USD, help="Total budget of the run [per-generation budget times N]."
 )
 @click.option("--ceiling", type=click.Choice(["auto", "systemd", "cgroup2", "cgroup1"]))
 @click.option("--follow", is_flag=True, help="Show live progress until the runs stop.")
@@ -131,8 +153,6 @@ def run(
     settings = load_settings()
     provider = provider or settings.model_provider
     model = model or settings.model_name
-    if budget_usd is not None and budget_usd < 0:
-        raise Refusal("--budget-usd cannot be negative")
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
@@ -188,7 +208,7 @@ def run_local(
             try:
                 report = pipeline.run(job)
             except StaleJob as exc:
-                errors.print(f"[yellow]stale[/]: {exc}")
+                warn("stale", exc)
                 continue
             pending = "" if report.observation_stored else " (observation pending)"
             console.print(
@@ -268,7 +288,7 @@ def reconcile(loop: bool) -> None:
             enqueued = fleet.planner.reconcile()
         except (redis.RedisError, OperationalError, StoreUnavailable, GitError, Refusal) as exc:
             # A lost broker or store is exactly what the loop exists to outlive.
-            errors.print(f"reconcile: {exc}; retrying", highlight=False)
+            warn("reconcile", f"{exc}; retrying")
         else:
             if enqueued:
                 console.print(f"reconcile: enqueued {', '.join(enqueued)}", highlight=False)
@@ -303,9 +323,9 @@ def main() -> None:
         exc.show()
         sys.exit(2 if exc.exit_code == 2 else exc.exit_code)
     except Refusal as exc:
-        errors.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        warn("error", exc)
         sys.exit(exc.exit_status)
     except (GitError, StoreUnavailable, redis.RedisError) as exc:
         # Infrastructure that did not answer: say which, without a traceback.
-        errors.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        warn("error", exc)
         sys.exit(1)

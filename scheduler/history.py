@@ -96,11 +96,15 @@ def journal_entry(journal: str, generation: int) -> JournalEntry | None:
 
 def _blocks(journal: str) -> list[str]:
     blocks: list[str] = []
+    fenced = False
     for line in journal.splitlines(keepends=True):
-        if line.startswith("## ") or not blocks:
+        # Inside a ~~~ fence every line is the organism's stderr, never a heading.
+        if (line.startswith("## ") and not fenced) or not blocks:
             blocks.append(line)
         else:
             blocks[-1] += line
+        if line.rstrip("\n") == "~~~":
+            fenced = not fenced
     return blocks
 
 

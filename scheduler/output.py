@@ -10,7 +10,13 @@ import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 WIDTH = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 140
 console = Console(width=WIDTH)
 errors = Console(stderr=True, width=WIDTH)
+
+
+def warn(label: str, text: object) -> None:
+    """One line on stderr; ``text`` (often user or organism input) is never markup."""
+    errors.print(f"[red]{label}:[/] {escape(str(text))}", highlight=False, soft_wrap=True)

@@ -73,6 +73,7 @@ class StandIn:
     status: int = 200
     reply: object = field(default_factory=dict)
     delay_seconds: float = 0.0
+    location: str | None = None
     received: list[Received] = field(default_factory=list)
 
     def only_request(self) -> Received:
@@ -89,6 +90,12 @@ def stand_in() -> Iterator[StandIn]:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             state.received.append(Received(self.path, self.headers, body))
             time.sleep(state.delay_seconds)
+            if state.location is not None:
+                self.send_response(302)
+                self.send_header("Location", state.location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             raw = (
                 state.reply if isinstance(state.reply, bytes) else json.dumps(state.reply).encode()
             )
@@ -358,6 +365,20 @@ def test_openai_compatible_sends_its_optional_key_as_a_bearer_token(
 
     assert reply.text == ""
     assert_key_only_in(stand_in.only_request(), "Authorization", f"Bearer {KEY}")
+
+
+def test_a_redirect_is_never_followed_with_the_key(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", KEY)
+    # Following it would send the Authorization header to wherever Location points.
+    stand_in.location = f"{stand_in.url}/elsewhere"
+    provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
+
+    with pytest.raises(ProviderUnavailable, match="302"):
+        provider.generate("p", 5, 5, CONTEXT)
+
+    assert [r.path for r in stand_in.received] == ["/v1/chat/completions"]
 
 
 def test_openai_compatible_needs_base_url_model_and_explicit_prices(stand_in: StandIn) -> None:

@@ -460,7 +460,7 @@ def test_concurrent_calls_are_each_audited_once_and_charged_exactly(serve: Serve
     assert broker.spent_usd <= Decimal("0.4")
 
 
-def test_socket_is_connectable_by_any_uid_and_removed_at_exit(tmp_path: Path) -> None:
+def test_socket_is_private_to_the_worker_uid_and_removed_at_exit(tmp_path: Path) -> None:
     path = tmp_path / "model.sock"
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))
@@ -468,7 +468,7 @@ def test_socket_is_connectable_by_any_uid_and_removed_at_exit(tmp_path: Path) ->
 
     with ModelBroker(path, DoubleProvider(), Physics(), CONTEXT) as broker:
         assert stat.S_ISSOCK(path.stat().st_mode)
-        assert stat.S_IMODE(path.stat().st_mode) == 0o666
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert request(broker)[0] == 200
 
     assert not path.exists()

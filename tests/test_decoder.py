@@ -466,7 +466,7 @@ def test_pax_headers_are_parsed_in_linear_time(tmp_path: Path) -> None:
 
 def test_reason_is_one_line_even_for_hostile_names(tmp_path: Path) -> None:
     reason = rejection(build(regular("evil\nname\r/../x", b"")), tmp_path / "dest")
-    assert reason == "member 'evil\\nname\\r/../x': '..' path component"
+    assert reason == "member 'evil\\nname\\r/../x': control character in the name"
     reason = rejection(build(regular("z" * 300 + "/..", b"")), tmp_path / "dest")
     assert "...(cut)" in reason and len(reason) < 250
 
@@ -704,3 +704,9 @@ def test_hostile_archives_never_write_outside_the_destination(
         published_tree(dest)  # whatever partial content: files, symlinks, dirs only
     else:
         assert_disk_matches(dest, entries)
+
+
+@pytest.mark.parametrize("name", ["x\n/etc/hostname", "foo\r", "tab\there", "bell\x07", "del\x7f"])
+def test_control_characters_in_names_are_rejected(tmp_path: Path, name: str) -> None:
+    # A line break would split the name in git's path-per-line interfaces.
+    assert "control character" in rejection(build(regular(name, b"AAA")), tmp_path / "dest")

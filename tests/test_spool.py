@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from lineage_support import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
 
 from worker.assembly import build_pipeline
 from worker.generation import GenerationJob
+from worker.observation import Observation
 from worker.settings import Settings
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
@@ -96,3 +99,39 @@ def test_settings_come_from_a_toml_file_under_the_environment(
     assert settings.model_provider == "openai"
     assert settings.concurrency == 2  # the environment wins over the file
     assert os.environ["OUROBOROS_CONFIG"] == str(config)
+
+
+class SlowReads:
+    """The pipeline's store, with reads slowed to widen the window between get and put."""
+
+    def __init__(self, store: object) -> None:
+        self.store = store
+
+    def get(self, key: str) -> bytes | None:
+        raw = self.store.get(key)  # type: ignore[attr-defined]
+        time.sleep(0.2)
+        return raw
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+def test_concurrent_index_writers_lose_no_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "racer", *SMALL_PHYSICS)
+    fleet.ok("run", "racer", "--generations", "2", "--local")
+    index_path = fleet.observations / "lineages/racer/index.json"
+    index_path.unlink()
+    monkeypatch.chdir(tmp_path)
+    pipeline = build_pipeline(settings_for(fleet))
+    pipeline.store = SlowReads(pipeline.store)  # type: ignore[assignment]
+    observations = [Observation.model_validate(fleet.observation("racer", n)) for n in (1, 2)]
+    writers = [threading.Thread(target=pipeline._index, args=(o,)) for o in observations]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    index = json.loads(index_path.read_text())
+    assert [entry["generation"] for entry in index["generations"]] == [1, 2]

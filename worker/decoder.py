@@ -435,6 +435,10 @@ def _path_parts(name: str, kind: str) -> tuple[str, ...]:
         raise _Broken("empty name")
     if "\0" in name:
         raise _Broken("NUL in the name")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):
+        # Git's path-per-line interfaces would split a name at a newline (and drop a
+        # trailing CR), so such a name could make the kernel read a host path.
+        raise _Broken("control character in the name")
     if name.startswith("/"):
         raise _Broken("absolute path")
     if len(name.encode()) > _PATH_MAX:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -27,12 +28,13 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker import journal
 from worker.broker import GenerationContext, ModelBroker, capabilities, make_provider
+from worker.broker.providers import PROVIDER_NAMES
 from worker.ceilings import Ceiling
 from worker.decoder import (
     KERNEL_OWNED,
@@ -69,6 +71,10 @@ from worker.spool import Publication, Spool
 from worker.store import ObservationStore, StoreUnavailable
 
 HEX_COMMIT = r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$"
+KERNEL_PREFIX = "ouro-k-"
+INDEX_ATTEMPTS = 3
+# Generations still pending in a spool leave gaps too; each write probes this many.
+INDEX_REPAIRS = 8
 
 
 class GenerationJob(BaseModel):
@@ -78,12 +84,18 @@ class GenerationJob(BaseModel):
 
     lineage: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
     expected_commit: str = Field(pattern=HEX_COMMIT)
-    provider: str = Field(min_length=1, max_length=64)
+    provider: Literal[PROVIDER_NAMES] = Field(  # type: ignore[valid-type]
+        description="one of the known providers; a hostile name is rejected, not run"
+    )
     model: str | None = Field(None, max_length=200)
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,80}$")
     target_generation: int | None = Field(None, ge=1)
     budget_usd: Decimal | None = Field(None, ge=0, description="what the run has left")
     enqueued_at: datetime | None = None
+
+
+class ObservationConflict(RuntimeError):
+    """The write-once key of an observation holds a different generation's record."""
 
 
 class Verdict(NamedTuple):
@@ -133,6 +145,7 @@ class Pipeline:
         self.emacs = resolve_emacs()
         self.host = socket.gethostname()
         self.bwrap_version = _first_line(["bwrap", "--version"])
+        _sweep_kernel_dirs()
         self.emacs_version = _first_line([str(self.emacs), "--version"])
 
     def head(self, lineage: str) -> str:
@@ -298,24 +311,60 @@ class Pipeline:
                 )
             publication = publication.model_copy(update={"stage": "observe"})
             self.spool.save(publication)
+        observation = Observation.model_validate_json(publication.observation)
         try:
-            self.store.put_once(publication.observation_key, publication.observation.encode())
-            self._index(Observation.model_validate_json(publication.observation))
+            if not self.store.put_once(
+                publication.observation_key, publication.observation.encode()
+            ):
+                self._check_existing(publication.observation_key, observation)
+            self._index(observation)
         except StoreUnavailable:
             return False
         self.spool.remove(publication)
         return True
 
+    def _check_existing(self, key: str, observation: Observation) -> None:
+        """A key already written must hold this very generation, or nothing is lost quietly."""
+        existing = Observation.model_validate_json(self.store.get(key) or b"{}")
+        if existing.lineage_commit != observation.lineage_commit:
+            # The spool keeps this observation until an operator resolves the clash.
+            raise ObservationConflict(
+                f"{key} already records commit {existing.lineage_commit[:12]}, not "
+                f"{observation.lineage_commit[:12]}; the store holds another lineage's "
+                "records under this name"
+            )
+
     def _index(self, observation: Observation) -> None:
-        """Add the observation's summary to the lineage's index object."""
+        """Add the observation's summary to the lineage's index object.
+
+        Two publishers of one lineage (a spool drain beside a live generation) may
+        rewrite the index at once and one may lose the other's entry. So the write is
+        read back until it holds this entry, and every write first fills gaps below
+        this generation from the write-once observation objects: an entry lost once
+        is restored by the next publication.
+        """
         key = index_key(observation.lineage)
+        entry = IndexEntry.of(observation)
+        for _ in range(INDEX_ATTEMPTS):
+            index = self._read_index(key, observation.lineage)
+            for missing in self._gaps(index, observation.generation):
+                index = index.with_entry(missing)
+            self.store.put(key, index.with_entry(entry).model_dump_json().encode())
+            if entry in self._read_index(key, observation.lineage).generations:
+                return
+
+    def _read_index(self, key: str, lineage: str) -> LineageIndex:
         raw = self.store.get(key)
-        index = (
-            LineageIndex.model_validate_json(raw)
-            if raw
-            else LineageIndex(lineage=observation.lineage)
-        )
-        self.store.put(key, index.with_entry(IndexEntry.of(observation)).model_dump_json().encode())
+        return LineageIndex.model_validate_json(raw) if raw else LineageIndex(lineage=lineage)
+
+    def _gaps(self, index: LineageIndex, below: int) -> Iterator[IndexEntry]:
+        """Entries of stored observations that the index lacks (a bounded number per call)."""
+        known = {e.generation for e in index.generations}
+        absent = [n for n in range(below - 1, 0, -1) if n not in known][:INDEX_REPAIRS]
+        for generation in absent:
+            raw = self.store.get(generation_key(index.lineage, generation))
+            if raw is not None:
+                yield IndexEntry.of(Observation.model_validate_json(raw))
 
     def _judge(
         self,
@@ -390,9 +439,10 @@ class Pipeline:
         blobs: Mapping[str, bytes],
     ) -> Iterator[Path]:
         # Under the system temp dir, not the state dir: a Unix socket path must stay short.
-        kernel = Path(tempfile.mkdtemp(prefix="ouro-k-"))
+        # mkdtemp makes it 0700, private to the worker's uid (which the sandbox keeps): no
+        # other local user may read the lineage or reach the model socket inside.
+        kernel = Path(tempfile.mkdtemp(prefix=f"{KERNEL_PREFIX}{os.getpid()}-"))
         try:
-            kernel.chmod(0o755)
             (kernel / "base.tar").write_bytes(_base_tar(tree, blobs))
             journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
             (kernel / "journal.md").write_bytes(blobs.get(journal_sha, b"") if journal_sha else b"")
@@ -418,6 +468,14 @@ class Pipeline:
             yield kernel
         finally:
             shutil.rmtree(kernel, ignore_errors=True)
+
+
+def _sweep_kernel_dirs() -> None:
+    """Remove kernel directories left by worker processes that were killed."""
+    for path in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*-*"):
+        pid = path.name.removeprefix(KERNEL_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _base_tar(tree: Mapping[str, Entry], blobs: Mapping[str, bytes]) -> bytes:

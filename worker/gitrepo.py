@@ -282,8 +282,12 @@ class LineageCache:
         )
 
     def hash_files(self, paths: list[Path]) -> list[str]:
+        """Write many files as blobs through one process; one path per line, so none
+        may hold a line break (the decoder refuses such names before they get here)."""
         if not paths:
             return []
+        if any("\n" in str(p) or "\r" in str(p) for p in paths):
+            raise ValueError("a path with a line break cannot be hashed by path")
         listing = "".join(f"{p}\n" for p in paths).encode()
         out = self.git("hash-object", "-w", "--no-filters", "--stdin-paths", input=listing).stdout
         return out.decode().split()

@@ -50,9 +50,17 @@ def entry_changed(generation: int, summary: str, when: datetime) -> str:
 
 def entry_died(generation: int, exit_code: int, stderr: str, when: datetime) -> str:
     tail = stderr.rstrip().splitlines()[-JOURNAL_STDERR_LINES:]
-    # A line of the organism's own that looks like a fence must not close ours early.
-    fenced = "".join(f"{line}\n" for line in tail).replace("~~~", "~ ~ ~")
+    fenced = "".join(f"{_inert(line)}\n" for line in tail)
     return _heading(generation, "died", when) + f"exit {exit_code}\n~~~\n{fenced}~~~\n"
+
+
+def _inert(line: str) -> str:
+    """An organism's stderr line that cannot read as a heading or close the fence.
+
+    Only lines starting like a journal heading (``#``) or a fence (``~~~``) change: one
+    leading space, which keeps them legible and the entry the kernel's own.
+    """
+    return f" {line}" if line.startswith(("#", "~~~")) else line
 
 
 def append(journal: bytes, entry: str) -> bytes:

@@ -129,6 +129,12 @@ def create_lineage(
     ensure_shared_repo(repo_url)
     if cache.fetch(name) is not None:
         raise Refusal(f"lineage {name} already exists; choose another name")
+    if store.get(metadata_key(name)) is not None:
+        # Its write-once observations would shadow the new lineage's forever.
+        raise Refusal(
+            f"the observation store still holds records of an earlier lineage {name} "
+            f"({store.url}); choose another name"
+        )
     meta = LineageMetadata(
         name=name,
         created_at=datetime.now(UTC),

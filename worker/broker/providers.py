@@ -368,6 +368,17 @@ def _base_url(settings: Settings, field: str) -> str:
     return str(value).rstrip("/")
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect would carry the key's header to whatever host it names: refuse it."""
+
+    def redirect_request(self, *_: object, **__: object) -> None:
+        return None
+
+
+# A 3xx then surfaces as an HTTPError, i.e. a failed call that billed nothing.
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def _post_json(
     provider: str, url: str, headers: dict[str, str], body: dict[str, Any], timeout: float
 ) -> object:
@@ -383,7 +394,7 @@ def _post_json(
         method="POST",
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _OPENER.open(request, timeout=timeout) as response:
             raw = response.read(MAX_REPLY_BYTES + 1)
     except urllib.error.HTTPError as exc:
         raise ProviderUnavailable(

@@ -165,9 +165,9 @@ class ModelBroker:
             self.socket_path.unlink()
         server = _UnixHTTPServer(str(self.socket_path), _Handler)
         server.broker = self
-        # The sandbox runs as another uid and needs write permission to connect;
-        # who can reach the socket is decided by the private directory around it.
-        os.chmod(self.socket_path, 0o666)
+        # Only the worker's own uid, which bwrap maps to itself inside the sandbox, may
+        # connect: any other local user could spend the budget and forge audit records.
+        os.chmod(self.socket_path, 0o600)
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
