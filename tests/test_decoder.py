@@ -175,8 +175,6 @@ def test_normal_tree_round_trips_with_exec_bits_and_nested_dirs(tmp_path: Path) 
 
 
 def test_real_gnu_tar_output_decodes_in_every_format(tmp_path: Path) -> None:
-    if shutil.which("tar") is None:
-        pytest.skip("no tar binary")
     source = tmp_path / "work"
     (source / "sub" / "deep").mkdir(parents=True)
     (source / "organism.el").write_text("(body)\n")
@@ -499,7 +497,6 @@ _TRICKY = st.sampled_from(
 )
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="no git binary")
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     names=st.lists(

@@ -32,21 +32,27 @@ def settings_for(fleet: Fleet) -> Settings:
     )
 
 
-def test_crash_after_the_checkpoint_is_finished_by_the_next_worker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def crash_before_the_push(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lineage: str) -> Fleet:
+    """A lineage whose first generation's worker died between checkpoint and push."""
     fleet = Fleet(tmp_path)
-    fleet.ok("init", "phoenix", *SMALL_PHYSICS)
+    fleet.ok("init", lineage, *SMALL_PHYSICS)
     monkeypatch.chdir(tmp_path)
     first = build_pipeline(settings_for(fleet))
-    head = first.head("phoenix")
+    head = first.head(lineage)
 
     def die(*_: object) -> bool:
         raise Crash
 
     monkeypatch.setattr(first.cache, "push_cas", die)
     with pytest.raises(Crash):
-        first.run(GenerationJob(lineage="phoenix", expected_commit=head, provider="scripted"))
+        first.run(GenerationJob(lineage=lineage, expected_commit=head, provider="scripted"))
+    return fleet
+
+
+def test_crash_after_the_checkpoint_is_finished_by_the_next_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet = crash_before_the_push(tmp_path, monkeypatch, "phoenix")
     assert fleet.subjects("phoenix") == ["seed"]
     pending = list((tmp_path / ".ouroboros/state/spool").glob("phoenix.*.json"))
     assert len(pending) == 1
@@ -66,18 +72,7 @@ def test_a_checkpoint_whose_push_lost_the_race_is_discarded_not_published(
 ) -> None:
     from test_pipeline import push_hand_commit
 
-    fleet = Fleet(tmp_path)
-    fleet.ok("init", "loser", *SMALL_PHYSICS)
-    monkeypatch.chdir(tmp_path)
-    first = build_pipeline(settings_for(fleet))
-    head = first.head("loser")
-
-    def die(*_: object) -> bool:
-        raise Crash
-
-    monkeypatch.setattr(first.cache, "push_cas", die)
-    with pytest.raises(Crash):
-        first.run(GenerationJob(lineage="loser", expected_commit=head, provider="scripted"))
+    fleet = crash_before_the_push(tmp_path, monkeypatch, "loser")
     push_hand_commit(fleet, "loser", {"notes.txt": "meanwhile\n"}, "external edit: meanwhile")
 
     restarted = build_pipeline(settings_for(fleet))
