@@ -170,6 +170,8 @@ def run(
         if heads[name] is None:
             raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
     for name, head in heads.items():
+        planner.require_deliverable(root_metadata(planner.cache, head, name))
+    for name, head in heads.items():
         physics = root_metadata(planner.cache, head, name).physics
         budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
         record = planner.start_run(name, head, generations, provider, model, budget)

@@ -507,3 +507,15 @@ def copy_instrument(target: Path) -> Path:
     (target / "worker" / "organism.el").unlink()
     shutil.copy2(PACKAGE_ROOT / "organism.el", target / "worker" / "organism.el")
     return target
+
+
+def test_a_life_longer_than_the_visibility_timeout_is_refused_before_any_run(
+    fleet: Fleet,
+) -> None:
+    fleet.ok("init", "lengthy", *SMALL_PHYSICS)
+    result = fleet.cli(
+        "run", "lengthy", "--generations", "1", OUROBOROS_VISIBILITY_TIMEOUT_SECONDS="600"
+    )
+    assert result.returncode == 2
+    assert "OUROBOROS_VISIBILITY_TIMEOUT_SECONDS=600" in result.stderr
+    assert not (fleet.observations / "lineages/lengthy/runs").exists()

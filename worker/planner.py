@@ -21,6 +21,7 @@ import redis
 from pydantic import BaseModel, computed_field
 
 from worker import coordination
+from worker.errors import Refusal
 from worker.generation import GenerationJob, GenerationReport
 from worker.gitrepo import BRANCH_PREFIX, LineageCache
 from worker.lineage import LineageMetadata, root_metadata
@@ -233,9 +234,20 @@ class Planner:
             }
         )
 
+    def require_deliverable(self, meta: LineageMetadata) -> None:
+        """Refuse a lineage whose life could outlast the broker's visibility timeout."""
+        if hard_time_limit(meta) >= self.settings.visibility_timeout_seconds:
+            # The broker would hand the job to a second worker while the first still runs.
+            raise Refusal(
+                f"lineage {meta.name} lives up to {hard_time_limit(meta)} s with publication, "
+                f"not under OUROBOROS_VISIBILITY_TIMEOUT_SECONDS="
+                f"{self.settings.visibility_timeout_seconds}; raise that setting on every host"
+            )
+
     def submit(self, job: GenerationJob) -> bool:
         """Claim the lineage's in-flight slot and send ``job`` to its instrument's queue."""
         meta = root_metadata(self.cache, job.expected_commit, job.lineage)
+        self.require_deliverable(meta)
         job_id = f"{job.lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
         if not coordination.mark_in_flight(
             self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds
