@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.ceilings import CeilingError, select_ceiling
+from worker.ceilings import CeilingError, cgroup1, select_ceiling
 from worker.ceilings.base import SCOPE_PARENT, join_command, own_cgroup_dirs
 from worker.ceilings.cgroup1 import CONTROLLERS as V1_CONTROLLERS
 from worker.ceilings.cgroup1 import Cgroup1Ceiling
@@ -504,3 +504,19 @@ def test_no_working_driver_is_refused_with_every_drivers_reason(
 def test_unknown_driver_name_is_refused() -> None:
     with pytest.raises(Refusal, match="unknown ceiling 'docker'"):
         select_ceiling("docker")
+
+
+def test_cgroup1_without_swap_accounting_refuses_when_swap_is_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for controller in ("cpu", "memory", "pids"):
+        (tmp_path / controller).mkdir()
+    swaps = tmp_path / "swaps"
+    swaps.write_text("Filename\tType\tSize\tUsed\tPriority\n/swapfile\tfile\t1048572\t0\t-2\n")
+    monkeypatch.setattr(cgroup1, "PROC_SWAPS", swaps)
+    directories = {name: tmp_path / name for name in ("cpu", "memory", "pids")}
+    with pytest.raises(CeilingError, match="swap ceiling cannot be enforced"):
+        cgroup1._limit(directories, Physics())
+    swaps.write_text("Filename\tType\tSize\tUsed\tPriority\n")
+    cgroup1._limit(directories, Physics())
+    assert (tmp_path / "memory" / "memory.limit_in_bytes").read_text().strip() == str(1024**3)

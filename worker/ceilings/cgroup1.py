@@ -38,6 +38,8 @@ from worker.ceilings.base import (
 )
 from worker.physics import Physics
 
+PROC_SWAPS = Path("/proc/swaps")
+
 CONTROLLERS = ("cpu", "cpuacct", "memory", "pids")
 
 
@@ -138,6 +140,11 @@ class Cgroup1Ceiling(Ceiling):
         return enclosure
 
 
+def swap_active() -> bool:
+    """Whether the host has any swap device or file in use."""
+    return len(PROC_SWAPS.read_text().splitlines()) > 1
+
+
 def _limit(directories: dict[str, Path], physics: Physics) -> None:
     cpu, memory, pids = directories["cpu"], directories["memory"], directories["pids"]
     write_value(cpu / "cpu.cfs_period_us", CFS_PERIOD_USEC)
@@ -147,4 +154,10 @@ def _limit(directories: dict[str, Path], physics: Physics) -> None:
     memsw = memory / "memory.memsw.limit_in_bytes"
     if memsw.exists():
         write_value(memsw, physics.memory_max_bytes + physics.memory_swap_max_bytes)
+    elif swap_active():
+        # Without swap accounting the life could swap without bound: no silent fallback.
+        raise CeilingError(
+            "swap is on but memory.memsw.* is absent, so the swap ceiling cannot be "
+            "enforced; boot with swapaccount=1 or turn swap off"
+        )
     write_value(pids / "pids.max", physics.tasks_max)
