@@ -412,3 +412,12 @@ def wait_for_kernel_dir(pid: int) -> Path:
             return found[0]
         time.sleep(0.05)
     raise AssertionError("the generation never prepared its kernel directory")
+
+
+def test_a_symlink_to_a_host_path_is_published_as_a_symlink_never_followed(fleet: Fleet) -> None:
+    make_lineage(fleet, "linker", '(make-symbolic-link "/etc/passwd" "/work/passwd")\n')
+    run_one(fleet, "linker")
+    assert fleet.subjects("linker")[0] == "gen 1: changed (organism unchanged; 1 other paths)"
+    listing = fleet.git("ls-tree", "lineage-linker", "passwd").split()
+    assert listing[0] == "120000"
+    assert fleet.git("cat-file", "blob", listing[2]) == "/etc/passwd"
