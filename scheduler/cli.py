@@ -128,14 +128,23 @@ def init(name: str, seed: Path | None, **physics_options: object) -> None:
 
 @cli.command()
 @click.argument("names", nargs=-1, required=True)
-@click.option("--generations", type=click.IntRange(1, 1_000_000), required=True)
+@click.option(
+    "--generations",
+    type=click.IntRange(1, 1_000_000),
+    required=True,
+    help="How many more generations each lineage should live.",
+)
 @click.option("--local", is_flag=True, help="Run in this process, without a broker.")
 @click.option("--provider", help="Model provider [OUROBOROS_MODEL_PROVIDER].")
 @click.option("--model", help="Model name [OUROBOROS_MODEL_NAME].")
 @click.option(
     "--budget-usd", type=USD, help="Total budget of the run [per-generation budget times N]."
 )
-@click.option("--ceiling", type=click.Choice(["auto", "systemd", "cgroup2", "cgroup1"]))
+@click.option(
+    "--ceiling",
+    type=click.Choice(["auto", "systemd", "cgroup2", "cgroup1"]),
+    help="Resource ceiling driver for --local [OUROBOROS_CEILING].",
+)
 @click.option("--follow", is_flag=True, help="Show live progress until the runs stop.")
 @click.option("--wait", is_flag=True, help="Wait quietly until the runs stop.")
 def run(
