@@ -75,13 +75,7 @@ def checks(settings: Settings) -> list[Check]:
                 and f"{settings.lineage_repo_url} reachable"
             ),
         ),
-        _attempt(
-            "store",
-            lambda: (
-                f"{observation_store(settings).url} lists "
-                f"{len(observation_store(settings).list('lineages/'))} objects"
-            ),
-        ),
+        _attempt("store", lambda: _store_probe(settings)),
     ]
     for provider in HTTP_PROVIDERS.values():
         credential = provider.credential
@@ -99,6 +93,11 @@ def checks(settings: Settings) -> list[Check]:
 
 def _absent() -> str:
     raise LookupError("absent")
+
+
+def _store_probe(settings: Settings) -> str:
+    store = observation_store(settings)
+    return f"{store.url} lists {len(store.list('lineages/'))} objects"
 
 
 def _redacted(url: str) -> str:

@@ -294,7 +294,8 @@ class LineageCache:
 
     def numstat(self, old_sha: str | None, new_sha: str | None) -> tuple[int, int]:
         """Lines added and deleted between two blobs (git's own counting, no helpers)."""
-        empty = self.hash_bytes(b"")
+        # Only a missing side needs the empty blob written (an added or removed file).
+        empty = self.hash_bytes(b"") if old_sha is None or new_sha is None else ""
         out = (
             self.git(
                 "diff",

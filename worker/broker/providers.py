@@ -332,6 +332,15 @@ HTTP_PROVIDERS: dict[str, type[_HTTPProvider]] = {
 PROVIDER_NAMES: tuple[str, ...] = (*HTTP_PROVIDERS, ScriptedProvider.name)
 
 
+def require_known(name: str) -> None:
+    """Refuse a provider name this instrument does not know, naming the setting."""
+    if name not in PROVIDER_NAMES:
+        raise Refusal(
+            f"unknown model provider {name!r}: set {PROVIDER_SETTING} or --provider to "
+            f"one of {', '.join(PROVIDER_NAMES)}"
+        )
+
+
 def make_provider(name: str, model: str | None, settings: Settings) -> Provider:
     """The configured provider, or a Refusal saying which setting to fix.
 
@@ -339,11 +348,7 @@ def make_provider(name: str, model: str | None, settings: Settings) -> Provider:
     usable; read again at each call), the model, its prices and the base URL. With
     no model, the provider's default model is used; openai-compatible has none.
     """
-    if name not in PROVIDER_NAMES:
-        raise Refusal(
-            f"unknown model provider {name!r}: set {PROVIDER_SETTING} or --provider to "
-            f"one of {', '.join(PROVIDER_NAMES)}"
-        )
+    require_known(name)
     if name == "scripted":
         model = model or DEFAULT_MODELS[name]
         prices = resolve_prices(name, model, settings)
