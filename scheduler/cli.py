@@ -26,7 +26,7 @@ from scheduler.follow import describe, watch
 from scheduler.output import console, errors, warn
 from worker.assembly import build_pipeline, lineage_cache, observation_store
 from worker.broker import make_provider
-from worker.broker.providers import PROVIDER_NAMES
+from worker.broker.providers import require_known
 from worker.errors import Refusal, StaleJob
 from worker.generation import GenerationJob
 from worker.gitrepo import GitError
@@ -165,11 +165,7 @@ def run(
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
-    if provider not in PROVIDER_NAMES:
-        raise Refusal(
-            f"unknown model provider {provider!r}: set OUROBOROS_MODEL_PROVIDER or --provider "
-            f"to one of {', '.join(PROVIDER_NAMES)}"
-        )
+    require_known(provider)
     fleet = Fleet(settings)
     planner = fleet.planner
     heads = {}
@@ -178,10 +174,11 @@ def run(
         heads[name] = planner.cache.fetch(name)
         if heads[name] is None:
             raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
+    metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
+    for meta in metas.values():
+        planner.require_deliverable(meta)
     for name, head in heads.items():
-        planner.require_deliverable(root_metadata(planner.cache, head, name))
-    for name, head in heads.items():
-        physics = root_metadata(planner.cache, head, name).physics
+        physics = metas[name].physics
         budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
         record = planner.start_run(name, head, generations, provider, model, budget)
         planner.enqueue(name, job_of(record, head, record.budget_usd))
@@ -242,18 +239,17 @@ def emit(rows: list[BaseModel], as_json: bool, table: Table) -> None:
 def status(names: tuple[str, ...], as_json: bool) -> None:
     """Where each lineage stands: target, done, in flight, last outcome, deaths, spend."""
     settings = load_settings()
-    fleet = Fleet(settings)
     for name in names:
         check_name(name)
-        if fleet.planner.cache.fetch(name) is None:
-            raise Refusal(f"no lineage named {name}; see schedule-lineage status for all")
-    rows = fleet.statuses(list(names) or None)
+    rows = Fleet(settings).statuses(list(names) or None)
     table = Table(
         "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
     )
     table.columns[0].no_wrap = True
     for row in rows:
         state = row.blocked or row.stopped or ("running" if row.in_flight else "idle")
+        if row.queue is None:
+            state = "imported (browse only)"
         if row.waiting_for_instrument:
             state = f"waiting: no live worker serves {row.queue}"
         table.add_row(

@@ -19,9 +19,10 @@ from pydantic import BaseModel
 
 from worker import coordination, embedded_redis
 from worker.assembly import lineage_cache, observation_store
+from worker.errors import Refusal
 from worker.lineage import root_metadata
 from worker.observation import DEATHS
-from worker.planner import Planner, queue_of
+from worker.planner import Planner, queue_of, run_progress
 from worker.settings import Settings
 
 INSPECT_TIMEOUT_SECONDS = 1.5
@@ -80,11 +81,17 @@ class Fleet:
     def status(self, lineage: str, served: set[str] | None) -> LineageStatus:
         planner = self.planner
         head = planner.cache.fetch(lineage)
-        generation = planner.generation_count(lineage, head) if head else 0
+        if head is None:
+            raise Refusal(f"no lineage named {lineage}; see schedule-lineage status for all")
+        generation = planner.generation_count(lineage, head)
         index = planner.index(lineage).generations
         run = planner.latest_run(lineage)
-        progress = planner.progress(run, head) if run and head else None
-        queue = queue_of(root_metadata(planner.cache, head, lineage)) if head else None
+        # The index just read serves the run's progress too: one read per lineage.
+        progress = run_progress(run, generation, index) if run else None
+        try:
+            queue: str | None = queue_of(root_metadata(planner.cache, head, lineage))
+        except Refusal:
+            queue = None  # an imported lineage: browsable, never run by this fleet
         in_flight = coordination.in_flight(planner.client, lineage)
         wants_more = progress is not None and progress.stopped is None
         return LineageStatus(
@@ -99,7 +106,8 @@ class Fleet:
             deaths=sum(e.outcome in DEATHS for e in index),
             spent_usd=progress.spent_usd if progress else Decimal(0),
             budget_usd=run.budget_usd if run else None,
-            observation_backlog=max(0, generation - len(index)),
+            # Only fleet lineages are observed; an imported one owes no observations.
+            observation_backlog=max(0, generation - len(index)) if queue else 0,
             stopped=progress.stopped if progress else None,
             blocked=coordination.blocked(planner.client, lineage),
             queue=queue,

@@ -519,3 +519,17 @@ def test_a_life_longer_than_the_visibility_timeout_is_refused_before_any_run(
     assert result.returncode == 2
     assert "OUROBOROS_VISIBILITY_TIMEOUT_SECONDS=600" in result.stderr
     assert not (fleet.observations / "lineages/lengthy/runs").exists()
+
+
+def test_status_lists_an_imported_legacy_lineage_beside_fleet_lineages(fleet: Fleet) -> None:
+    from browse_support import import_fixture
+
+    fleet.ok("init", "native", *SMALL_PHYSICS)
+    import_fixture(fleet)
+    rows = {row["lineage"]: row for row in json.loads(fleet.ok("status", "--json").stdout)}
+    assert rows["sample"]["queue"] is None
+    assert rows["sample"]["generation"] == 5
+    assert rows["sample"]["observation_backlog"] == 0
+    assert rows["native"]["queue"].startswith("gen.")
+    missing = fleet.cli("status", "absent")
+    assert missing.returncode == 2 and "no lineage named absent" in missing.stderr
