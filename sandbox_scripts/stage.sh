@@ -6,23 +6,50 @@
 # tar to stdout. Its exit status is the organism's (a shell reports a death by signal
 # N as 128+N), 70 when the committed tree cannot be unpacked, or tar's when packing fails.
 #
-# Trusts nothing it runs: the organism's stdout is sent to stderr so that it cannot
-# mix with the tar stream, but the worker still treats stdout as untrusted bytes,
-# bounded and judged by its decoder.
+# Trusts nothing it runs. Its stdout is the result stream, which the organism must
+# never reach:
+# - the organism's stdout goes to stderr, so it cannot mix with the tar;
+# - this shell is pid 1 of the sandbox and runs from /kernel/sh, a copy of the host's
+#   shell that the sandbox may execute but not read, which makes the kernel mark it
+#   non-dumpable: the organism (same uid, no capability) cannot open /proc/1/fd/1;
+# - every organism process is dead before tar, the one process that holds the stream
+#   and could be opened, starts.
+# The worker still treats stdout as untrusted bytes, bounded and judged by its decoder.
 #
-# Usage: sh /kernel/stage.sh /path/to/real/emacs
+# Usage: /kernel/sh /kernel/stage.sh /path/to/real/emacs
 set -u
 emacs=$1
 
 cd /work || exit 70
 # The sandbox has no capabilities, so ownership cannot be restored (and must not be).
-tar -x --no-same-owner -f /kernel/base.tar -C /work || {
+tar -x --no-same-owner -f /kernel/base.tar -C /work </dev/null >&2 || {
     echo "stage: cannot unpack /kernel/base.tar" >&2
     exit 70
 }
 
 "$emacs" -Q --batch -l /work/organism.el </dev/null >&2
 status=$?
+
+# As pid 1, kill -1 reaches every other process in the sandbox at once (the kernel does
+# not let a fork slip past it). Then wait until none is left that could still run: a
+# killed process finishes its system call (and its queued I/O) before it is gone.
+while :; do
+    kill -KILL -1 2>/dev/null
+    alive=
+    for stat in /proc/[0-9]*/stat; do
+        [ "$stat" = /proc/1/stat ] && continue
+        line=
+        read -r line <"$stat" 2>/dev/null || continue
+        # The state follows the last ") ": the command name before it is the organism's.
+        state=${line##*) }
+        case ${state%% *} in
+            Z | X | '') ;;
+            *) alive=1 ;;
+        esac
+    done
+    [ -z "$alive" ] && break
+done
+
 if [ "$status" -ne 0 ]; then
     exit "$status"
 fi

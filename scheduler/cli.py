@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from rich.table import Table
 
 from scheduler import views_cli
-from scheduler.doctor import checks
+from scheduler.doctor import Check, checks
 from scheduler.fleet import Fleet
 from scheduler.follow import describe, watch
 from scheduler.output import console, errors, warn
@@ -30,6 +30,7 @@ from worker.broker.providers import require_known
 from worker.errors import Refusal, StaleJob
 from worker.generation import GenerationJob
 from worker.gitrepo import GitError
+from worker.identity import IdentityPool
 from worker.instrument import current, instrument_commit, instrument_provenance
 from worker.lineage import check_name, create_lineage, read_seed, root_metadata
 from worker.physics import Physics
@@ -305,8 +306,15 @@ def reconcile(loop: bool) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def doctor(as_json: bool) -> None:
-    """Check this host: bwrap, emacs, git, ceiling, broker, repository, store, keys."""
-    results = checks(load_settings())
+    """Check this host: identity, bwrap, emacs, git, ceiling, broker, repository, store, keys.
+
+    Refuses (exit 2) a host where a sandbox could not be built without host root.
+    """
+    settings = load_settings()
+    # A host where a life could run as host root is refused outright, not listed.
+    identities = IdentityPool(settings.sandbox_uid_base, settings.sandbox_uid_count)
+    identities.probe()
+    results = [Check(name="identity", ok=True, detail=identities.describe()), *checks(settings)]
     table = Table("check", "ok", "detail")
     for check in results:
         mark = "[green]ok[/]" if check.ok else ("[red]missing[/]" if check.essential else "-")

@@ -7,6 +7,7 @@ the fixed commit and journal wording, death rollback, and observations.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import stat
@@ -20,6 +21,7 @@ import pytest
 from lineage_support import SMALL_PHYSICS, Fleet, seed_file
 
 from worker.instrument import PACKAGE_ROOT
+from worker.sandbox import KERNEL_PREFIX, OWNER_SUFFIX
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -383,15 +385,17 @@ def test_other_local_users_cannot_reach_the_kernel_or_the_model_socket(fleet: Fl
     )
     try:
         kernel = wait_for_kernel_dir(life.pid)
-        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        read = subprocess.run([*nobody, "cat", str(kernel / "base.tar")], capture_output=True)
-        assert read.returncode != 0 and b"Permission denied" in read.stderr
-        connect = subprocess.run(
-            [*nobody, sys.executable, "-c", CONNECT, str(kernel / "model.sock")],
-            capture_output=True,
-            text=True,
-        )
-        assert connect.returncode != 0, connect.stdout
+        # Neither an ordinary user nor the uid another concurrent life would get.
+        for uid in (65534, kernel.stat().st_uid + 1):
+            other = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+            read = subprocess.run([*other, "cat", str(kernel / "base.tar")], capture_output=True)
+            assert read.returncode != 0 and b"Permission denied" in read.stderr
+            connect = subprocess.run(
+                [*other, "/usr/bin/python3", "-c", CONNECT, str(kernel / "model.sock")],
+                capture_output=True,
+                text=True,
+            )
+            assert connect.returncode != 0 and "Permission denied" in connect.stderr
     finally:
         assert life.wait(timeout=120) == 0
     assert fleet.observation("private", 1)["model_calls"] == []
@@ -407,9 +411,11 @@ print("connected")
 
 def wait_for_kernel_dir(pid: int) -> Path:
     for _ in range(600):
-        found = sorted(Path(tempfile.gettempdir()).glob(f"ouro-k-{pid}-*"))
-        if found and (found[0] / "model.sock").exists():
-            return found[0]
+        for owner in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
+            kernel = owner.with_name(owner.name.removesuffix(OWNER_SUFFIX))
+            with contextlib.suppress(OSError):
+                if owner.read_text() == str(pid) and (kernel / "model.sock").exists():
+                    return kernel
         time.sleep(0.05)
     raise AssertionError("the generation never prepared its kernel directory")
 

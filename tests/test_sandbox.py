@@ -15,8 +15,9 @@ import socket
 import subprocess
 import tarfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,16 @@ from worker.ceilings import Ceiling, Figures, select_ceiling
 from worker.ceilings.cgroup1 import Cgroup1Ceiling, Cgroup1Enclosure
 from worker.ceilings.systemd import SystemdCeiling
 from worker.errors import Refusal
+from worker.identity import IdentityPool, SandboxIdentity
 from worker.physics import Physics
-from worker.sandbox import SandboxResult, bwrap_argv, resolve_emacs, run_sandbox
+from worker.sandbox import (
+    SandboxResult,
+    bwrap_argv,
+    kernel_directory,
+    resolve_emacs,
+    run_sandbox,
+)
+from worker.settings import Settings
 
 STAGE = Path(__file__).resolve().parent.parent / "sandbox_scripts" / "stage.sh"
 SECRET = "sk-ouroboros-test-secret-never-inside"
@@ -72,33 +81,46 @@ def cgroup1() -> Ceiling:
     return select_ceiling("cgroup1")
 
 
-def kernel_dir(tmp_path: Path, organism: str) -> Path:
-    """A kernel directory as the pipeline prepares it, holding ``organism`` as organism.el."""
-    kernel = tmp_path / "kernel"
-    kernel.mkdir()
+IDENTITIES = IdentityPool(Settings().sandbox_uid_base, Settings().sandbox_uid_count)
+
+
+def kernel_files(organism: str) -> dict[str, bytes]:
+    """The files of a kernel directory as the pipeline prepares it, with ``organism``."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         data = (PRELUDE + organism).encode()
         info = tarfile.TarInfo("organism.el")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-    (kernel / "base.tar").write_bytes(buffer.getvalue())
-    (kernel / "journal.md").write_bytes(JOURNAL)
-    (kernel / "lineage.json").write_text("{}\n")
-    (kernel / "capabilities.json").write_text("{}\n")
-    (kernel / "stage.sh").write_bytes(STAGE.read_bytes())
-    return kernel
+    return {
+        "base.tar": buffer.getvalue(),
+        "journal.md": JOURNAL,
+        "lineage.json": b"{}\n",
+        "capabilities.json": b"{}\n",
+        "stage.sh": STAGE.read_bytes(),
+    }
+
+
+@contextmanager
+def kernel_dir(organism: str) -> Iterator[tuple[Path, SandboxIdentity]]:
+    """A kernel directory holding ``organism``, and the identity whose life it is (its own
+    unprivileged uid, since the tests run as root)."""
+    with (
+        IDENTITIES.hold() as identity,
+        kernel_directory(kernel_files(organism), identity) as kernel,
+    ):
+        yield kernel, identity
 
 
 def live(
-    tmp_path: Path,
     organism: str,
     ceiling: Ceiling,
     label: str,
     emacs: Path,
     physics: Physics = SMALL,
 ) -> SandboxResult:
-    return run_sandbox(kernel_dir(tmp_path, organism), physics, ceiling, label, emacs)
+    with kernel_dir(organism) as (kernel, identity):
+        return run_sandbox(kernel, physics, ceiling, label, emacs, identity)
 
 
 def published(result: SandboxResult) -> dict[str, bytes]:
@@ -121,7 +143,7 @@ def test_clean_exit_returns_a_tar_of_the_organisms_writes(
     tmp_path: Path, cgroup1: Ceiling, label: str, emacs: Path
 ) -> None:
     organism = '(princ "said on stdout\\n") (report "hello.txt" "written in the sandbox")'
-    result = live(tmp_path, organism, cgroup1, label, emacs)
+    result = live(organism, cgroup1, label, emacs)
     files = published(result)
     assert set(files) == {"organism.el", "hello.txt"}  # emacs -Q itself leaves nothing in /work
     assert files["hello.txt"] == b"written in the sandbox"
@@ -139,7 +161,7 @@ def test_clean_exit_returns_a_tar_of_the_organisms_writes(
 def test_exit_three_is_a_process_exit_that_publishes_nothing(
     tmp_path: Path, cgroup1: Ceiling, label: str, emacs: Path
 ) -> None:
-    result = live(tmp_path, '(report "x" "staged") (kill-emacs 3)', cgroup1, label, emacs)
+    result = live('(report "x" "staged") (kill-emacs 3)', cgroup1, label, emacs)
     assert result.death() == "process_exit"
     assert (result.exit_status, result.signal, result.archive) == (3, None, None)
 
@@ -148,7 +170,7 @@ def test_exit_three_is_a_process_exit_that_publishes_nothing(
 def test_death_by_signal_is_a_signal(
     tmp_path: Path, cgroup1: Ceiling, label: str, emacs: Path
 ) -> None:
-    result = live(tmp_path, "(signal-process (emacs-pid) 9)", cgroup1, label, emacs)
+    result = live("(signal-process (emacs-pid) 9)", cgroup1, label, emacs)
     assert result.death() == "signal"
     assert result.signal == 9
     assert result.exit_status == 137  # bwrap and the shell report a signal N as 128+N
@@ -162,7 +184,7 @@ def test_memory_past_the_ceiling_ends_cgroup_oom(
 ) -> None:
     organism = "(let (hoard) (while t (push (make-string 4000000 ?x) hoard)))"
     physics = SMALL.model_copy(update={"memory_max_bytes": 64 * 1024**2})
-    result = live(tmp_path, organism, cgroup1, label, emacs, physics)
+    result = live(organism, cgroup1, label, emacs, physics)
     assert result.death() == "cgroup_oom"
     assert result.figures.oom_kills >= 1
     assert result.signal == 9  # the OOM kill's SIGKILL, which the cause outranks
@@ -174,7 +196,7 @@ def test_endless_loop_ends_wall_timeout(
     tmp_path: Path, cgroup1: Ceiling, label: str, emacs: Path
 ) -> None:
     physics = SMALL.model_copy(update={"wall_seconds": 3, "cpu_seconds": 3})
-    result = live(tmp_path, "(while t)", cgroup1, label, emacs, physics)
+    result = live("(while t)", cgroup1, label, emacs, physics)
     assert result.death() == "wall_timeout"
     assert result.wall_timeout
     assert result.figures.result == "killed"
@@ -215,7 +237,7 @@ def test_fork_bomb_is_contained_by_the_task_ceiling_and_the_host_is_unharmed(
     )
     physics = SMALL.model_copy(update={"wall_seconds": 4, "cpu_seconds": 4, "tasks_max": 16})
     try:
-        result = live(tmp_path, organism, Watched(), label, emacs, physics)
+        result = live(organism, Watched(), label, emacs, physics)
     finally:
         done.set()
         watcher.join()
@@ -233,7 +255,7 @@ def test_archive_over_the_cap_is_a_decoder_rejection(
     # A sparse file costs /work nothing, but tar writes all of its gigabyte.
     organism = '(write-region "x" nil "/work/sparse" (* 1024 1024 1024))'
     physics = SMALL.model_copy(update={"work_bytes": 1024**2, "work_files": 16})
-    result = live(tmp_path, organism, cgroup1, label, emacs, physics)
+    result = live(organism, cgroup1, label, emacs, physics)
     assert result.death() == "decoder_rejection"
     assert result.archive_overflow
     assert result.archive is None
@@ -241,17 +263,19 @@ def test_archive_over_the_cap_is_a_decoder_rejection(
 
 
 @real_life
-def test_two_lives_run_at_once_in_threads(
-    tmp_path: Path, cgroup1: Ceiling, label: str, emacs: Path
+def test_two_lives_run_at_once_in_threads_each_under_its_own_uid(
+    cgroup1: Ceiling, label: str, emacs: Path
 ) -> None:
     def one(index: int) -> SandboxResult:
-        directory = tmp_path / str(index)
-        directory.mkdir()
-        return live(directory, f'(report "who" "{index}")', cgroup1, label, emacs)
+        organism = f'(sleep-for 1) (report "who" (format "{index} %d" (user-uid)))'
+        return live(organism, cgroup1, label, emacs)
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(one, [1, 2]))
-    assert [published(r)["who"] for r in results] == [b"1", b"2"]
+    who = [published(r)["who"].split() for r in results]
+    assert [index for index, _ in who] == [b"1", b"2"]
+    uids = {int(uid) for _, uid in who}
+    assert len(uids) == 2 and all(uid >= Settings().sandbox_uid_base for uid in uids)
 
 
 # --- what the organism cannot do ------------------------------------------------------------
@@ -263,13 +287,13 @@ def test_writing_more_than_work_holds_cannot_hurt_the_host_and_publishes_nothing
 ) -> None:
     organism = '(report "big" (make-string (* 3 1024 1024) ?x))'
     physics = SMALL.model_copy(update={"work_bytes": 2 * 1024**2})
-    kernel = kernel_dir(tmp_path, organism)
-    before = sorted(p.name for p in tmp_path.rglob("*"))
-    result = run_sandbox(kernel, physics, cgroup1, label, emacs)
+    with kernel_dir(organism) as (kernel, identity):
+        before = sorted(p.name for p in kernel.rglob("*"))
+        result = run_sandbox(kernel, physics, cgroup1, label, emacs, identity)
+        assert sorted(p.name for p in kernel.rglob("*")) == before
     assert result.death() == "process_exit"
     assert result.archive is None
     assert b"No space left on device" in result.stderr
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 @real_life
@@ -288,10 +312,11 @@ def test_network_connections_fail_even_to_loopback(
 (report "outside" (attempt :host "1.1.1.1" :service 80))
 (report "model" (attempt :family 'local :service "/kernel/model.sock"))
 """
-        kernel = kernel_dir(tmp_path, organism)
-        model.bind(str(kernel / "model.sock"))
-        model.listen()
-        result = run_sandbox(kernel, SMALL, cgroup1, label, emacs)
+        with kernel_dir(organism) as (kernel, identity):
+            model.bind(str(kernel / "model.sock"))
+            identity.own(kernel / "model.sock")
+            model.listen()
+            result = run_sandbox(kernel, SMALL, cgroup1, label, emacs, identity)
         with pytest.raises(TimeoutError):
             listener.accept()
     files = published(result)
@@ -314,14 +339,18 @@ def test_sandbox_environment_holds_no_secret(
       (ignore-errors (insert-file-contents-literally (expand-file-name name dir)))
       (insert "\n"))))
 """
-    kernel = kernel_dir(tmp_path, organism)
-    assert not any(SECRET in item or "OPENAI" in item for item in bwrap_argv(kernel, SMALL, emacs))
-    files = published(run_sandbox(kernel, SMALL, cgroup1, label, emacs))
+    with kernel_dir(organism) as (kernel, identity):
+        argv, options = bwrap_argv(kernel, SMALL, emacs)
+        assert not any(SECRET in item or "OPENAI" in item for item in argv)
+        assert SECRET.encode() not in options and b"OPENAI" not in options
+        files = published(run_sandbox(kernel, SMALL, cgroup1, label, emacs, identity))
     environment = dict(line.split("=", 1) for line in files["environment"].decode().splitlines())
     assert set(environment) <= {"HOME", "PATH", "PWD", "OLDPWD"}
     assert (environment["HOME"], environment["PATH"]) == ("/work", "/usr/bin:/bin")
     seen = files["environment"] + files["processes"]
-    assert b"bwrap" in files["processes"]  # bwrap's own environ and argv were readable
+    # pid 1 is the staging runner, whose argv names only paths inside the sandbox.
+    assert b"/kernel/sh\0/kernel/stage.sh\0" in files["processes"]
+    assert b"bwrap" not in files["processes"]
     assert SECRET.encode() not in seen and b"OPENAI" not in seen
 
 
@@ -330,7 +359,7 @@ def test_no_capability_is_effective_inside(
     tmp_path: Path, cgroup1: Ceiling, label: str, emacs: Path
 ) -> None:
     organism = '(report "status" (shell "cat /proc/self/status"))'
-    files = published(live(tmp_path, organism, cgroup1, label, emacs))
+    files = published(live(organism, cgroup1, label, emacs))
     capabilities = dict(
         line.split(":\t") for line in files["status"].decode().splitlines() if line[:3] == "Cap"
     )
@@ -351,7 +380,7 @@ def test_usr_and_kernel_cannot_be_remounted_writable(
         " unshare -U true; echo user-namespace $?"
     )
     organism = f'(report "attempts" (shell "{{ {script}; }} 2>/dev/null"))'
-    files = published(live(tmp_path, organism, cgroup1, label, emacs))
+    files = published(live(organism, cgroup1, label, emacs))
     attempts = dict(line.split() for line in files["attempts"].decode().splitlines())
     assert set(attempts) == {"usr", "kernel", "usr-write", "root-write", "user-namespace"}
     assert all(status != "0" for status in attempts.values()), attempts
@@ -370,11 +399,11 @@ def test_kernel_journal_cannot_be_written(
 (report "delete" (attempt '(delete-file "/kernel/journal.md")))
 (report "chmod" (attempt '(set-file-modes "/kernel/journal.md" #o666)))
 """
-    kernel = kernel_dir(tmp_path, organism)
-    files = published(run_sandbox(kernel, SMALL, cgroup1, label, emacs))
+    with kernel_dir(organism) as (kernel, identity):
+        files = published(run_sandbox(kernel, SMALL, cgroup1, label, emacs, identity))
+        assert (kernel / "journal.md").read_bytes() == JOURNAL
     for attempt in ("write", "append", "delete", "chmod"):
         assert b"Read-only file system" in files[attempt], files[attempt]
-    assert (kernel / "journal.md").read_bytes() == JOURNAL
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -383,23 +412,40 @@ def test_kernel_journal_cannot_be_written(
 @pytest.mark.bwrap
 def test_bwrap_argv_isolates_the_sandbox(tmp_path: Path, emacs: Path) -> None:
     kernel, lineage = tmp_path / "kernel", tmp_path / "lineage"
-    arguments = bwrap_argv(kernel, Physics(), emacs)
+    argv, options = bwrap_argv(kernel, Physics(), emacs)
+    # The argv, which anyone who sees the process can read, names no host path but bwrap's.
+    assert Path(argv[0]).name == "bwrap"
+    assert argv[1:] == ["--args", "0", "--", "/kernel/sh", "/kernel/stage.sh", str(emacs)]
+    assert options.endswith(b"\0")
+    arguments = [item.decode() for item in options.split(b"\0")[:-1]]
     joined = "\n".join(arguments)
-    assert Path(arguments[0]).name == "bwrap"
     for flag in ("--clearenv", "--unshare-all", "--unshare-net", "--disable-userns"):
         assert flag in arguments
-    for flag in ("--new-session", "--die-with-parent"):
+    for flag in ("--new-session", "--die-with-parent", "--as-pid-1"):
         assert flag in arguments
     assert arguments[arguments.index("--cap-drop") + 1] == "ALL"
     assert "--bind" not in arguments and "--dev-bind" not in arguments
     sizes = {arguments[i + 3]: arguments[i + 1] for i, a in enumerate(arguments) if a == "--size"}
-    assert sizes == {"/work": "268435456", "/tmp": "67108864", "/run": "16777216"}
+    assert {k: v for k, v in sizes.items() if not k.startswith("/proc/")} == {
+        "/work": "268435456",
+        "/tmp": "67108864",
+        "/run": "16777216",
+    }
     assert all(arguments[i + 2] == "--tmpfs" for i, a in enumerate(arguments) if a == "--size")
     binds = [tuple(arguments[i + 1 : i + 3]) for i, a in enumerate(arguments) if a == "--ro-bind"]
-    assert binds == [("/usr", "/usr"), (str(kernel), "/kernel")]
+    assert binds[0] == ("/usr", "/usr") and binds[-1] == (str(kernel), "/kernel")
+    # Between them, only /proc's knobs bound read-only onto themselves and masks.
+    assert all(
+        dest.startswith("/proc/") and src in (dest, "/dev/null") for src, dest in binds[1:-1]
+    )
+    assert ("/proc/sys", "/proc/sys") in binds
+    assert arguments[arguments.index("--dev") + 1 : arguments.index("--dev") + 4] == [
+        "/dev",
+        "--remount-ro",
+        "/dev",
+    ]
     settings = [tuple(arguments[i + 1 : i + 3]) for i, a in enumerate(arguments) if a == "--setenv"]
     assert settings == [("HOME", "/work"), ("PATH", "/usr/bin:/bin")]
-    assert arguments[-3:] == ["/bin/sh", "/kernel/stage.sh", str(emacs)]
     assert joined.count(str(tmp_path)) == 1  # the kernel directory, read-only
     assert str(lineage) not in joined and ".git" not in joined
 
@@ -480,17 +526,18 @@ def test_systemd_scope_carries_a_life_and_its_oom_kill(
     tmp_path: Path, standins: Path, emacs: Path
 ) -> None:
     ceiling = SystemdCeiling()
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    result = live(first, "(kill-emacs 3)", ceiling, "s", emacs)
+    result = live("(kill-emacs 3)", ceiling, "s", emacs)
     assert result.death() == "process_exit"
     assert (result.exit_status, result.figures.driver) == (3, "systemd")
     assert result.figures.result == "exit-code"
     (call,) = logged_calls(standins / "systemd-run.args")
-    assert Path(call[call.index("--") + 4]).name == "bwrap"  # after env -i PATH=...
+    # After env -i PATH=..., the root worker's drop to the life's own uid, then bwrap.
+    command = call[call.index("--") + 1 :]
+    assert Path(command[0]).name == "env" and Path(command[3]).name == "setpriv"
+    assert f"--reuid={Settings().sandbox_uid_base}" in command
+    assert Path(command[command.index("--") + 1]).name == "bwrap"
     (standins / "oom-kills").write_text("1\n")
-    result = live(second, "(signal-process (emacs-pid) 9)", ceiling, "s", emacs)
+    result = live("(signal-process (emacs-pid) 9)", ceiling, "s", emacs)
     assert result.death() == "cgroup_oom"
     assert result.figures.oom_kills == 1
     assert result.figures.sources["oom_kills"] == "systemd:OOMKills"

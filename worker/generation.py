@@ -17,14 +17,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
-import shutil
 import socket
 import subprocess
 import tarfile
 import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -45,6 +42,7 @@ from worker.decoder import (
 )
 from worker.errors import Refusal, StaleJob
 from worker.gitrepo import Entry, LineageCache
+from worker.identity import IdentityPool
 from worker.instrument import Instrument
 from worker.lineage import (
     JOURNAL_PATH,
@@ -65,13 +63,18 @@ from worker.observation import (
     index_key,
 )
 from worker.physics import Physics
-from worker.sandbox import SandboxResult, resolve_emacs, run_sandbox
+from worker.sandbox import (
+    SandboxResult,
+    kernel_directory,
+    resolve_emacs,
+    run_sandbox,
+    sweep_kernel_dirs,
+)
 from worker.settings import Settings
 from worker.spool import Publication, Spool
 from worker.store import ObservationStore, StoreUnavailable
 
 HEX_COMMIT = r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$"
-KERNEL_PREFIX = "ouro-k-"
 INDEX_ATTEMPTS = 3
 # Generations still pending in a spool leave gaps too; each write probes this many.
 INDEX_REPAIRS = 8
@@ -143,9 +146,11 @@ class Pipeline:
         self.cache = cache
         self.spool = Spool(settings.state_path / "spool")
         self.emacs = resolve_emacs()
+        self.identities = IdentityPool(settings.sandbox_uid_base, settings.sandbox_uid_count)
+        self.identities.probe()
         self.host = socket.gethostname()
         self.bwrap_version = _first_line(["bwrap", "--version"])
-        _sweep_kernel_dirs()
+        sweep_kernel_dirs()
         self.emacs_version = _first_line([str(self.emacs), "--version"])
 
     def head(self, lineage: str) -> str:
@@ -189,9 +194,17 @@ class Pipeline:
         )
         started = datetime.now(UTC)
         label = f"{job.lineage}-{generation}-{hashlib.sha256(parent.encode()).hexdigest()[:8]}"
-        with self._kernel_dir(meta, physics, generation, parent, tree, blobs) as kernel:
-            with ModelBroker(kernel / "model.sock", provider, physics, context) as broker:
-                result = run_sandbox(kernel, physics, self.ceiling, label, self.emacs)
+        with (
+            self.identities.hold() as identity,
+            kernel_directory(
+                self._kernel_files(meta, physics, generation, parent, tree, blobs), identity
+            ) as kernel,
+        ):
+            owner = (identity.uid, identity.gid) if identity.drop else None
+            with ModelBroker(
+                kernel / "model.sock", provider, physics, context, owner=owner
+            ) as broker:
+                result = run_sandbox(kernel, physics, self.ceiling, label, self.emacs, identity)
             calls, spent = list(broker.calls), broker.spent_usd
         # The run, not the pinned physics, ran out: nothing more can be bought for it.
         run_exhausted = narrowed and any(call.status == 402 for call in calls)
@@ -391,13 +404,21 @@ class Pipeline:
         return Verdict(death, rejection, self._rolled_back(parent, tree), "", 0, 0)
 
     def _rolled_back(self, parent: str, tree: Mapping[str, Entry]) -> dict[str, Entry]:
-        """The parent's tree with organism.el one body back: nothing the dead life wrote."""
+        """The parent's tree with organism.el one body back: nothing the dead life wrote.
+
+        The body is always written as a regular 100644 file, whatever the parent holds at
+        organism.el: a symlink, a directory (its files go), an executable or nothing, as
+        lineages recorded before the decoder refused such results may. Keeping the
+        parent's mode would store the body as a symlink's target. ``body_before`` gives
+        the last body that was a regular file, else the seed's, so a death never leaves
+        a lineage whose every life dies for want of a loadable body.
+        """
         entries = {p: e for p, e in tree.items() if p != JOURNAL_PATH}
         previous = self.cache.body_before(parent, ORGANISM_PATH, journal.DEATH_SUBJECT)
-        if previous is not None and ORGANISM_PATH in entries:
-            entries[ORGANISM_PATH] = Entry(
-                entries[ORGANISM_PATH].mode, self.cache.hash_bytes(previous)
-            )
+        # None only for a root without a regular organism.el, which init never makes.
+        if previous is not None:
+            entries = {p: e for p, e in entries.items() if p.partition("/")[0] != ORGANISM_PATH}
+            entries[ORGANISM_PATH] = Entry("100644", self.cache.hash_bytes(previous))
         return entries
 
     def _published(
@@ -428,8 +449,7 @@ class Pipeline:
             "changed", None, entries, journal.changed_summary(delta, len(changed)), *sizes
         )
 
-    @contextmanager
-    def _kernel_dir(
+    def _kernel_files(
         self,
         meta: LineageMetadata,
         physics: Physics,
@@ -437,45 +457,23 @@ class Pipeline:
         parent: str,
         tree: Mapping[str, Entry],
         blobs: Mapping[str, bytes],
-    ) -> Iterator[Path]:
-        # Under the system temp dir, not the state dir: a Unix socket path must stay short.
-        # mkdtemp makes it 0700, private to the worker's uid (which the sandbox keeps): no
-        # other local user may read the lineage or reach the model socket inside.
-        kernel = Path(tempfile.mkdtemp(prefix=f"{KERNEL_PREFIX}{os.getpid()}-"))
-        try:
-            (kernel / "base.tar").write_bytes(_base_tar(tree, blobs))
-            journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
-            (kernel / "journal.md").write_bytes(blobs.get(journal_sha, b"") if journal_sha else b"")
-            (kernel / "lineage.json").write_text(
-                json.dumps(
-                    {
-                        "name": meta.name,
-                        "generation": generation,
-                        "parent_commit": parent,
-                        "created_at": meta.created_at.isoformat(),
-                        "seed_sha256": meta.seed_sha256,
-                    },
-                    indent=2,
-                )
-            )
-            (kernel / "capabilities.json").write_text(
-                json.dumps(capabilities(physics), indent=2, default=str)
-            )
-            for name, data in self.instrument.scripts.items():
-                (kernel / name).write_bytes(data)
-            for path in kernel.iterdir():
-                path.chmod(0o644)
-            yield kernel
-        finally:
-            shutil.rmtree(kernel, ignore_errors=True)
-
-
-def _sweep_kernel_dirs() -> None:
-    """Remove kernel directories left by worker processes that were killed."""
-    for path in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*-*"):
-        pid = path.name.removeprefix(KERNEL_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
+    ) -> dict[str, bytes]:
+        """What the life finds in /kernel, besides the model socket and the staging shell."""
+        journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
+        lineage = {
+            "name": meta.name,
+            "generation": generation,
+            "parent_commit": parent,
+            "created_at": meta.created_at.isoformat(),
+            "seed_sha256": meta.seed_sha256,
+        }
+        return {
+            "base.tar": _base_tar(tree, blobs),
+            "journal.md": blobs.get(journal_sha, b"") if journal_sha else b"",
+            "lineage.json": json.dumps(lineage, indent=2).encode(),
+            "capabilities.json": json.dumps(capabilities(physics), indent=2, default=str).encode(),
+            **self.instrument.scripts,
+        }
 
 
 def _base_tar(tree: Mapping[str, Entry], blobs: Mapping[str, bytes]) -> bytes:

@@ -42,6 +42,7 @@ FINGERPRINTED_MODULES: tuple[str, ...] = (
     "worker.gitrepo",
     "worker.journal",
     "worker.decoder",
+    "worker.identity",
     "worker.sandbox",
     "worker.ceilings",
     "worker.ceilings.base",

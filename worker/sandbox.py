@@ -1,8 +1,12 @@
 """The sandbox: one organism life in bubblewrap, inside an aggregate resource scope.
 
-Owns what the organism can see and do (the bwrap argv), the host side of a life
-(spawning it in its scope, the wall clock, reading the bounded result tar and stderr
-concurrently) and the raw account of how it ended (``SandboxResult.death``).
+Owns what the organism can see and do (the bwrap options), the host side of a life
+(spawning it in its scope as its identity, the wall clock, reading the bounded result
+tar and stderr concurrently) and the raw account of how it ended
+(``SandboxResult.death``). What the organism sees: /usr read-only, a read-only /dev,
+/proc with the kernel's knobs read-only and its host-disclosing files masked, sized
+tmpfs /work, /tmp and /run, the kernel directory read-only at /kernel; no network, no
+capability, no uid that maps to host root (worker.identity).
 
 Trusts the ceiling driver for the CPU, memory and task ceilings and their figures, and
 ``sandbox_scripts/stage.sh`` (written into the kernel directory by the pipeline) for
@@ -17,9 +21,11 @@ import os
 import select
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -27,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from worker.ceilings import Ceiling, Figures
 from worker.errors import Refusal
+from worker.identity import SandboxIdentity
 from worker.observation import STDERR_CAP_BYTES
 from worker.physics import Physics
 
@@ -34,6 +41,24 @@ SANDBOX_PATH = "/usr/bin:/bin"
 # bwrap's own environment is readable inside the sandbox as /proc/1/environ.
 HOST_ENV = {"PATH": SANDBOX_PATH}
 STAGE_SCRIPT = "/kernel/stage.sh"
+KERNEL_PREFIX = "ouroboros-kernel-"
+OWNER_SUFFIX = ".owner"
+# The kernel directory's copy of the host's /bin/sh, executable but not readable by the
+# sandbox: running it makes the staging runner non-dumpable (see sandbox_scripts/stage.sh).
+STAGE_SHELL = "/kernel/sh"
+READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+MASKED_PROC = (
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/cmdline",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+)
 # Debian's merged /usr: the top-level directories are symlinks into it.
 USR_SYMLINKS = {"/bin": "usr/bin", "/lib": "usr/lib", "/lib64": "usr/lib64", "/sbin": "usr/sbin"}
 # A little over the observation's cap, so cap_stderr can tell that it cut.
@@ -87,30 +112,40 @@ def resolve_emacs() -> Path:
     return real
 
 
-def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> list[str]:
-    """The bwrap command line of one life: what the organism can see and do."""
+def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> tuple[list[str], bytes]:
+    """The bwrap command line of one life and its options, which bwrap reads from stdin.
+
+    The options travel on stdin (``--args 0``), not in the argv, because the argv of a
+    process is readable by anyone who can see it and they name host paths.
+    """
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise Refusal("bubblewrap is not installed on this worker; install the bubblewrap package")
-    return [
-        bwrap,
+    options = [
         "--clearenv",
         *("--setenv", "HOME", "/work", "--setenv", "PATH", SANDBOX_PATH),
         "--unshare-all",
-        # Implied by --unshare-all; spelled out so that the argv alone shows there is no network.
+        # Implied by --unshare-all; spelled out so that the options alone show there is no network.
         "--unshare-net",
         # A user namespace of its own, in which it may not create more: a nested user
         # namespace would hand the organism a full capability set again.
         *("--unshare-user", "--disable-userns"),
         # The same name on every worker: a lineage's physics do not depend on the host.
         *("--hostname", "ouroboros"),
+        # The staging runner is pid 1, so no bwrap process the organism could open
+        # (/proc/1/fd) holds the result stream; see sandbox_scripts/stage.sh.
+        "--as-pid-1",
         "--new-session",
         "--die-with-parent",
-        # bwrap started by root keeps every capability unless told otherwise.
+        # bwrap started with capabilities keeps them unless told otherwise.
         *("--cap-drop", "ALL"),
         *("--ro-bind", "/usr", "/usr"),
         *(item for link, target in USR_SYMLINKS.items() for item in ("--symlink", target, link)),
-        *("--proc", "/proc", "--dev", "/dev"),
+        *("--proc", "/proc"),
+        *_kernel_interfaces_closed(),
+        # A read-only /dev: its devices still work, but nothing can be stored there
+        # (an unsized tmpfs at /dev or /dev/shm would bypass tmp_bytes).
+        *("--dev", "/dev", "--remount-ro", "/dev"),
         *("--size", str(physics.work_bytes), "--tmpfs", "/work"),
         *("--size", str(physics.tmp_bytes), "--tmpfs", "/tmp"),
         *("--size", str(physics.run_bytes), "--tmpfs", "/run"),
@@ -118,30 +153,107 @@ def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> list[str]:
         # bwrap's root is an unsized tmpfs: only /work, /tmp and /run stay writable.
         *("--remount-ro", "/"),
         *("--chdir", "/work"),
-        "--",
-        *("/bin/sh", STAGE_SCRIPT, str(emacs)),
     ]
+    argv = [bwrap, "--args", "0", "--", STAGE_SHELL, STAGE_SCRIPT, str(emacs)]
+    return argv, b"".join(option.encode() + b"\0" for option in options)
+
+
+def _kernel_interfaces_closed() -> list[str]:
+    """Options that make /proc's kernel knobs read-only and mask what discloses the host.
+
+    Docker's read-only and masked path lists are the anchor, plus /proc/cmdline. Only
+    paths this kernel has are covered (bwrap cannot mount over a missing one). The
+    sources are the host's, which is harmless: a sysctl file answers for the namespaces
+    of whoever opens it, and the mounts are read-only.
+    """
+    options: list[str] = []
+    for path in READ_ONLY_PROC:
+        if os.path.lexists(path):
+            options += ["--ro-bind", path, path]
+    for path in MASKED_PROC:
+        if os.path.isdir(path):
+            options += ["--perms", "0555", "--size", "4096", "--tmpfs", path, "--remount-ro", path]
+        elif os.path.lexists(path):
+            options += ["--ro-bind", "/dev/null", path]
+    return options
+
+
+@contextmanager
+def kernel_directory(files: Mapping[str, bytes], identity: SandboxIdentity) -> Iterator[Path]:
+    """A fresh kernel directory holding ``files`` and the staging shell, for one life.
+
+    It lives under the system temp dir, not the state dir, because a Unix socket path
+    (the model socket goes here) must stay short. Its name carries no pid, lineage or
+    host detail, since the organism can read it (it is the source of the /kernel mount
+    in /proc/self/mountinfo); an owner file beside it names the worker process using it.
+    """
+    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX))
+    owner_file = kernel.with_name(kernel.name + OWNER_SUFFIX)
+    try:
+        owner_file.write_text(str(os.getpid()))
+        for name, data in files.items():
+            (kernel / name).write_bytes(data)
+            (kernel / name).chmod(0o644)
+        # Executable but unreadable for the life: see sandbox_scripts/stage.sh.
+        shutil.copyfile(os.path.realpath("/bin/sh"), kernel / "sh")
+        (kernel / "sh").chmod(0o111)
+        # mkdtemp made the directory 0700: it and everything in it belong to the life's
+        # identity alone (and root), so no other sandbox or local user may read the
+        # lineage or reach the model socket inside.
+        for path in (kernel, *kernel.iterdir()):
+            identity.own(path)
+        yield kernel
+    finally:
+        shutil.rmtree(kernel, ignore_errors=True)
+        owner_file.unlink(missing_ok=True)
+
+
+def sweep_kernel_dirs() -> None:
+    """Remove the kernel directories of worker processes that were killed."""
+    for owner_file in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
+        try:
+            pid = owner_file.read_text().strip()
+        except OSError:
+            continue
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            kernel = owner_file.with_name(owner_file.name.removesuffix(OWNER_SUFFIX))
+            shutil.rmtree(kernel, ignore_errors=True)
+            owner_file.unlink(missing_ok=True)
 
 
 def run_sandbox(
-    kernel_dir: Path, physics: Physics, ceiling: Ceiling, label: str, emacs: Path
+    kernel_dir: Path,
+    physics: Physics,
+    ceiling: Ceiling,
+    label: str,
+    emacs: Path,
+    identity: SandboxIdentity,
 ) -> SandboxResult:
-    """Live one life of the organism in ``kernel_dir`` under ``physics``; never raises for it.
+    """Live one life of the organism in ``kernel_dir`` under ``physics`` as ``identity``.
 
-    Raises only for host faults (CeilingError, OSError, Refusal); every way the organism
-    can end, including overrunning its wall time or its archive cap, is a result.
+    Never raises for the organism: only for host faults (CeilingError, OSError, Refusal);
+    every way the organism can end, including overrunning its wall time or its archive
+    cap, is a result. The process joins its scope first (as the worker), then drops to
+    ``identity``; ``kernel_dir`` must already belong to that identity.
     """
-    argv = bwrap_argv(kernel_dir, physics, emacs)
+    argv, options = bwrap_argv(kernel_dir, physics, emacs)
     with ceiling.open(physics, label) as enclosure:
         started = time.monotonic()
-        process = subprocess.Popen(
-            enclosure.command(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=HOST_ENV,
-            start_new_session=True,
-        )
+        options_pipe = _readable(options)
+        try:
+            process = subprocess.Popen(
+                enclosure.command(identity.command(argv)),
+                stdin=options_pipe,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=HOST_ENV,
+                # The worker's working directory would otherwise show as $PWD in the
+                # environment of every process on the way to the sandbox.
+                cwd="/",
+                start_new_session=True,
+            )
+        finally:
+            os.close(options_pipe)
         assert process.stdout is not None and process.stderr is not None
         archive = _Capture(process.stdout, physics.archive_cap_bytes, enclosure.kill)
         stderr = _Capture(process.stderr, STDERR_KEEP_BYTES, None)
@@ -172,6 +284,20 @@ def run_sandbox(
         # Only a life that ended well has anything to publish.
         return result.model_copy(update={"archive": bytes(archive.head)})
     return result
+
+
+def _readable(data: bytes) -> int:
+    """A pipe's read end holding ``data`` and then end of file; the caller closes it.
+
+    The options are a few kilobytes, well within a pipe's buffer, so writing them all
+    before anyone reads cannot block.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, data)
+    finally:
+        os.close(write_end)
+    return read_end
 
 
 def _exited_within(process: subprocess.Popen[bytes], seconds: float) -> bool:

@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     ceiling: CeilingName = "auto"
     cgroup_parent: Path | None = None
     concurrency: int = Field(1, ge=1, le=256)
+    # A root worker runs each concurrent life under its own uid from this range; an
+    # unprivileged worker runs lives as itself and ignores it (worker.identity).
+    sandbox_uid_base: int = Field(60000, ge=1000, le=2**31 - 2**16)
+    sandbox_uid_count: int = Field(1024, ge=1, le=2**16)
     state_dir: Path | None = None
     fleet_version: str | None = None
     instrument_commit: str | None = None
