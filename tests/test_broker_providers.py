@@ -556,11 +556,11 @@ def test_key_reaches_neither_log_nor_audit_record_nor_organism(
     with ModelBroker(tmp_path / "model.sock", provider, Physics(), CONTEXT) as broker:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         client.connect(str(broker.socket_path))
-        client.sendall(b"POST /generate HTTP/1.1\r\nContent-Length: 1\r\n\r\np")
+        client.sendall(b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 1\r\n\r\np")
         answer = client.makefile("rb").read()
         client.close()
 
-    assert answer.startswith(b"HTTP/1.0 502 ")
+    assert answer.startswith(b"HTTP/1.1 502 ")
     assert KEY.encode() not in answer
     assert KEY not in caplog.text
     assert "openai answered HTTP 401" in caplog.text

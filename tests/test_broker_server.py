@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import os
 import shutil
 import socket
 import stat
@@ -30,6 +31,7 @@ from worker.broker import (
 )
 from worker.broker.ledger import FRAMING_TOKENS
 from worker.broker.prices import BUILTIN_PRICES, Prices
+from worker.broker.server import MAX_CONNECTIONS
 from worker.physics import Physics
 from worker.settings import Settings
 
@@ -209,7 +211,7 @@ def test_repeated_token_header_is_400(serve: Serve) -> None:
 
     answer = raw_request(broker, head, b"p")
 
-    assert answer.startswith(b"HTTP/1.0 400 ")
+    assert answer.startswith(b"HTTP/1.1 400 ")
 
 
 def test_non_utf8_prompt_is_400_and_audited_with_the_raw_bytes_hash(serve: Serve) -> None:
@@ -257,7 +259,7 @@ def test_content_length_is_not_trusted_beyond_the_limit(serve: Serve) -> None:
     started = time.monotonic()
     answer = raw_request(broker, head, b"short")
 
-    assert answer.startswith(b"HTTP/1.0 400 ")
+    assert answer.startswith(b"HTTP/1.1 400 ")
     assert answer.endswith(b"the prompt is over max_prompt_bytes (64 bytes)\n")
     assert time.monotonic() - started < 5
 
@@ -268,6 +270,7 @@ def test_content_length_is_not_trusted_beyond_the_limit(serve: Serve) -> None:
         b"POST /generate HTTP/1.1\r\nHost: kernel\r\n\r\n",
         b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 0x10\r\n\r\n",
         b"POST /generate HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n",
+        b"POST /generate HTTP/1.1\r\nHost: k\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
         b"POST /generate HTTP/1.1\r\nHost: kernel\r\nTransfer-Encoding: chunked\r\n\r\n",
     ],
 )
@@ -277,7 +280,19 @@ def test_missing_or_ambiguous_content_length_is_400(serve: Serve, head: bytes) -
 
     answer = raw_request(broker, head, b"2\r\nhi\r\n0\r\n\r\n")
 
-    assert answer.startswith(b"HTTP/1.0 400 ")
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert provider.asked == []
+    assert broker.calls == []
+
+
+def test_http11_request_without_host_is_400_naming_the_header(serve: Serve) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider)
+
+    answer = raw_request(broker, b"POST /generate HTTP/1.1\r\nContent-Length: 1\r\n\r\n", b"p")
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert b"Host" in answer.split(b"\r\n\r\n", 1)[1]
     assert provider.asked == []
     assert broker.calls == []
 
@@ -285,9 +300,11 @@ def test_missing_or_ambiguous_content_length_is_400(serve: Serve, head: bytes) -
 def test_body_shorter_than_its_content_length_is_400(serve: Serve) -> None:
     broker = serve(DoubleProvider())
 
-    answer = raw_request(broker, b"POST /generate HTTP/1.1\r\nContent-Length: 10\r\n\r\n", b"abc")
+    head = b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 10\r\n\r\n"
 
-    assert answer.startswith(b"HTTP/1.0 400 ")
+    answer = raw_request(broker, head, b"abc")
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
     assert answer.endswith(b"the body ended before Content-Length bytes arrived\n")
 
 
@@ -443,7 +460,8 @@ def test_concurrent_calls_are_each_audited_once_and_charged_exactly(serve: Serve
     def call(number: int) -> None:
         statuses.append(request(broker, f"prompt {number}".encode())[0])
 
-    threads = [threading.Thread(target=call, args=(n,)) for n in range(12)]
+    # As many callers as the socket serves at once; one more would get the 503 refusal.
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(MAX_CONNECTIONS)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -451,8 +469,8 @@ def test_concurrent_calls_are_each_audited_once_and_charged_exactly(serve: Serve
 
     calls = broker.calls
     assert sorted(statuses) == sorted(c.status for c in calls)
-    assert [c.index for c in calls] == list(range(1, 13))
-    assert {c.prompt for c in calls} == {f"prompt {n}" for n in range(12)}
+    assert [c.index for c in calls] == list(range(1, MAX_CONNECTIONS + 1))
+    assert {c.prompt for c in calls} == {f"prompt {n}" for n in range(MAX_CONNECTIONS)}
     # USD 0.4 holds 3 worst cases of 0.128 at a time: overlapping calls beyond that get 402.
     assert set(statuses) <= {200, 402}
     assert statuses.count(200) >= 3
@@ -469,6 +487,19 @@ def test_socket_is_private_to_the_worker_uid_and_removed_at_exit(tmp_path: Path)
     with ModelBroker(path, DoubleProvider(), Physics(), CONTEXT) as broker:
         assert stat.S_ISSOCK(path.stat().st_mode)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert request(broker)[0] == 200
+
+    assert not path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing the socket to another uid needs root")
+def test_socket_handed_to_the_sandbox_uid_stays_private_to_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.sock"
+
+    with ModelBroker(path, DoubleProvider(), Physics(), CONTEXT, owner=(65534, 65533)) as broker:
+        status = path.stat()
+        assert (status.st_uid, status.st_gid) == (65534, 65533)
+        assert stat.S_IMODE(status.st_mode) == 0o600
         assert request(broker)[0] == 200
 
     assert not path.exists()
