@@ -13,8 +13,10 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import time
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -22,6 +24,8 @@ from typing import NamedTuple, TypeVar
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from lineage_support import Fleet
+from test_pipeline import make_lineage, run_one
 
 from worker.decoder import (
     KERNEL_OWNED,
@@ -55,6 +59,11 @@ def link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tuple[tarfile
     info = tarfile.TarInfo(name)
     info.type, info.linkname = kind, target
     return info, b""
+
+
+def body(data: bytes = b'(message "alive")\n') -> tuple[tarfile.TarInfo, bytes]:
+    """The organism.el every published tree must hold as a regular file."""
+    return regular("organism.el", data)
 
 
 def special(name: str, kind: bytes) -> tuple[tarfile.TarInfo, bytes]:
@@ -201,22 +210,27 @@ def test_long_names_via_gnu_and_pax_headers_decode(tmp_path: Path) -> None:
     target = "../" * 40 + "t" * 60
     for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
         entries = decode(
-            build(regular(name, b"data"), link("l", target), fmt=fmt), tmp_path / f"d{fmt}"
+            build(body(), regular(name, b"data"), link("l", target), fmt=fmt),
+            tmp_path / f"d{fmt}",
         )
         assert entries[name].size == 4
         assert entries["l"].target == target
 
 
 def test_empty_directories_are_dropped(tmp_path: Path) -> None:
-    archive = build(directory("./"), directory("./empty"), directory("./full"), regular("full/f"))
+    archive = build(
+        directory("./"), directory("./empty"), directory("./full"), regular("full/f"), body()
+    )
     entries = decode(archive, tmp_path / "dest")
-    assert list(entries) == ["full/f"]
+    assert list(entries) == ["full/f", "organism.el"]
     assert not (tmp_path / "dest" / "empty").exists()
 
 
 def test_gitignored_files_are_kept(tmp_path: Path) -> None:
-    archive = build(regular(".gitignore", b"hidden.txt\n*\n"), regular("hidden.txt", b"hereditary"))
-    assert sorted(decode(archive, tmp_path / "dest")) == [".gitignore", "hidden.txt"]
+    archive = build(
+        regular(".gitignore", b"hidden.txt\n*\n"), regular("hidden.txt", b"hereditary"), body()
+    )
+    assert sorted(decode(archive, tmp_path / "dest")) == [".gitignore", "hidden.txt", "organism.el"]
 
 
 def test_symlink_to_host_path_is_stored_verbatim_and_never_followed(tmp_path: Path) -> None:
@@ -224,6 +238,7 @@ def test_symlink_to_host_path_is_stored_verbatim_and_never_followed(tmp_path: Pa
     outside.mkdir()
     (outside / "secret").write_text("host data\n")
     archive = build(
+        body(b"(body)\n"),
         link("passwd", "/etc/passwd"),
         link("secret", str(outside / "secret")),
         link("up", "../../outside"),
@@ -232,11 +247,12 @@ def test_symlink_to_host_path_is_stored_verbatim_and_never_followed(tmp_path: Pa
     entries = decode(archive, tmp_path / "dest")
     assert {path: (e.kind, e.target, e.size) for path, e in entries.items()} == {
         "dangling": ("symlink", "../nowhere/at/all", 17),
+        "organism.el": ("file", None, 7),
         "passwd": ("symlink", "/etc/passwd", 11),
         "secret": ("symlink", str(outside / "secret"), len(str(outside / "secret"))),
         "up": ("symlink", "../../outside", 13),
     }
-    for name in entries:
+    for name in entries.keys() - {"organism.el"}:
         assert (tmp_path / "dest" / name).is_symlink()
     assert_disk_matches(tmp_path / "dest", entries.values())
 
@@ -313,7 +329,6 @@ def test_non_utf8_names_and_targets_are_rejected(tmp_path: Path) -> None:
         ".git./x",  # NTFS drops trailing dots and spaces
         ".git /x",
         ".git::$INDEX_ALLOCATION/x",  # an NTFS stream of .git
-        ".g\u200cit/config",  # HFS+ ignores zero-width code points
     ],
 )
 def test_dot_git_is_rejected_at_top_and_nested(tmp_path: Path, name: str) -> None:
@@ -323,12 +338,14 @@ def test_dot_git_is_rejected_at_top_and_nested(tmp_path: Path, name: str) -> Non
 
 def test_names_merely_starting_with_dot_git_are_kept(tmp_path: Path) -> None:
     names = [".github/workflows/ci.yml", ".gitignore", ".gitattributes", ".gitx", "a.git"]
+    names.append("organism.el")
     archive = build(*(regular(name, b"x") for name in names))
     assert sorted(decode(archive, tmp_path / "dest")) == sorted(names)
 
 
 def test_gitmodules_symlink_is_rejected_but_gitmodules_file_is_kept(tmp_path: Path) -> None:
-    assert list(decode(build(regular(".gitmodules", b"")), tmp_path / "ok")) == [".gitmodules"]
+    kept = decode(build(regular(".gitmodules", b""), body()), tmp_path / "ok")
+    assert list(kept) == [".gitmodules", "organism.el"]
     for name in (".gitmodules", "sub/.GitModules", "gitmod~1", ".gitmodules "):
         reason = rejection(build(link(name, "/etc/passwd")), tmp_path / "dest")
         assert "a symlink named .gitmodules" in reason
@@ -339,12 +356,13 @@ def test_kernel_owned_paths_are_rejected_at_top_level_only(tmp_path: Path, owned
     for member in (regular(owned, b"forged"), regular(f"./{owned}"), link(owned, "x")):
         assert "is kernel-owned" in rejection(build(member), tmp_path / "dest")
     assert "is kernel-owned" in rejection(build(regular(f"{owned}/inner")), tmp_path / "dest")
-    assert list(decode(build(regular(f"notes/{owned}")), tmp_path / "ok")) == [f"notes/{owned}"]
+    kept = decode(build(regular(f"notes/{owned}"), body()), tmp_path / "ok")
+    assert list(kept) == [f"notes/{owned}", "organism.el"]
 
 
 def test_too_many_files_are_rejected(tmp_path: Path) -> None:
     limits = DecodeLimits(max_bytes=1000, max_files=3)
-    at_limit = [regular("a"), link("b", "a"), regular("c/d")]
+    at_limit = [body(), link("b", "organism.el"), regular("c/d")]
     assert len(decode(build(directory("e"), *at_limit), tmp_path / "ok", limits)) == 3
     reason = rejection(build(*at_limit, regular("e")), tmp_path / "dest", limits)
     assert reason == "member 'e': more than 3 files and symlinks (the work_files limit)"
@@ -352,7 +370,7 @@ def test_too_many_files_are_rejected(tmp_path: Path) -> None:
 
 def test_too_many_bytes_are_rejected(tmp_path: Path) -> None:
     limits = DecodeLimits(max_bytes=10, max_files=100)
-    at_limit = [regular("a", b"12345"), regular("b", b"12345"), link("c", "x" * 50)]
+    at_limit = [body(b"12345"), regular("b", b"12345"), link("c", "x" * 50)]
     assert len(decode(build(*at_limit), tmp_path / "ok", limits)) == 3
     reason = rejection(build(*at_limit, regular("d", b"!")), tmp_path / "dest", limits)
     assert reason == "member 'd': files total more than 10 bytes (the work_bytes limit)"
@@ -456,7 +474,7 @@ def test_pax_headers_are_parsed_in_linear_time(tmp_path: Path) -> None:
     info, data = regular("f", b"x")
     info.pax_headers = {"comment": "1" * 60_000}
     started = time.monotonic()
-    assert list(decode(build((info, data)), tmp_path / "ok")) == ["f"]
+    assert list(decode(build((info, data), body()), tmp_path / "ok")) == ["f", "organism.el"]
     info.pax_headers = {"comment": "1" * 70_000}
     assert "extended header at byte 0 holds" in rejection(build((info, data)), tmp_path / "no")
     assert time.monotonic() - started < 1
@@ -480,7 +498,7 @@ def test_destination_must_be_fresh(tmp_path: Path) -> None:
     (tmp_path / "dest").mkdir()
     (tmp_path / "dest" / "stale").write_text("left over")
     with pytest.raises(ValueError, match="not empty"):
-        decode_archive(build(regular("f")), tmp_path / "dest", LIMITS)
+        decode_archive(build(body()), tmp_path / "dest", LIMITS)
 
 
 # --- agreement with git ----------------------------------------------------------------
@@ -512,7 +530,9 @@ def test_decoder_refuses_exactly_the_paths_git_would_silently_drop(
     tmp_path_factory: pytest.TempPathFactory, names: list[tuple[str, bool]]
 ) -> None:
     """The publisher feeds paths to `git update-index --index-info`, which skips a path
-    it refuses with only a warning; so the decoder must refuse precisely those."""
+    it refuses with only a warning; so the decoder must refuse precisely those, and
+    beyond them only names a person cannot read as they are (the only unprintable
+    characters drawn here are the zero-width ones HFS+ ignores, category Cf)."""
     work = tmp_path_factory.mktemp("git-agreement")
     subprocess.run(["git", "init", "-q", str(work / "repo")], check=True)
     env = {**os.environ, "GIT_INDEX_FILE": str(work / "index")}
@@ -537,11 +557,11 @@ def test_decoder_refuses_exactly_the_paths_git_would_silently_drop(
     for index, (path, is_symlink) in enumerate(paths):
         member = link(path, "target") if is_symlink else regular(path, b"")
         try:
-            decode_archive(build(member), work / f"dest{index}", LIMITS)
+            decode_archive(build(body(), member), work / f"dest{index}", LIMITS)
             decoder_kept = True
         except DecoderRejection:
             decoder_kept = False
-        assert decoder_kept == (path in git_kept), (path, is_symlink)
+        assert decoder_kept == (path in git_kept and path.isprintable()), (path, is_symlink)
 
 
 # --- hostile archives ------------------------------------------------------------------
@@ -645,7 +665,7 @@ Mutation = tuple[list[tuple[int, int]], int | None] | None
 
 
 def hostile_archive(specs: list[Spec], fmt: int, mutation: Mutation, outside: Path) -> bytes:
-    members = []
+    members = [body()]  # without it every archive is refused and nothing is extracted
     for spec in specs:
         name = spec.prefix.replace(_OUTSIDE, str(outside)) + "/".join(spec.components)
         info = tarfile.TarInfo(name + ("/" if spec.trailing_slash else ""))
@@ -703,7 +723,125 @@ def test_hostile_archives_never_write_outside_the_destination(
         assert_disk_matches(dest, entries)
 
 
-@pytest.mark.parametrize("name", ["x\n/etc/hostname", "foo\r", "tab\there", "bell\x07", "del\x7f"])
-def test_control_characters_in_names_are_rejected(tmp_path: Path, name: str) -> None:
-    # A line break would split the name in git's path-per-line interfaces.
-    assert "control character" in rejection(build(regular(name, b"AAA")), tmp_path / "dest")
+@pytest.mark.parametrize(
+    "name",
+    ["x\n/etc/hostname", "foo\r", "tab\there", "bell\x07", "esc\x1b[31m", "del\x7f", "csi\x9b"],
+)
+def test_control_characters_in_names_and_targets_are_rejected(tmp_path: Path, name: str) -> None:
+    # A line break would split the name in git's path-per-line interfaces; an ESC or a
+    # C1 CSI would reach a terminal through git log.
+    assert "control character in the name" in rejection(
+        build(regular(name, b"AAA")), tmp_path / "dest"
+    )
+    assert rejection(build(body(), link("l", name)), tmp_path / "dest") == (
+        "member 'l': control character in the symlink target"
+    )
+
+
+@pytest.mark.parametrize(
+    ("char", "named"),
+    [
+        ("\u202e", "U+202E RIGHT-TO-LEFT OVERRIDE"),
+        ("\u202a", "U+202A LEFT-TO-RIGHT EMBEDDING"),
+        ("\u2067", "U+2067 RIGHT-TO-LEFT ISOLATE"),
+        ("\u200f", "U+200F RIGHT-TO-LEFT MARK"),
+        ("\u200b", "U+200B ZERO WIDTH SPACE"),
+        ("\u2060", "U+2060 WORD JOINER"),
+        ("\ufeff", "U+FEFF ZERO WIDTH NO-BREAK SPACE"),
+        ("\u00ad", "U+00AD SOFT HYPHEN"),
+        ("\u2028", "U+2028 LINE SEPARATOR"),
+        ("\u2029", "U+2029 PARAGRAPH SEPARATOR"),
+        ("\U000e0041", "U+E0041 TAG LATIN CAPITAL LETTER A"),
+    ],
+)
+def test_invisible_characters_in_names_and_targets_are_rejected_by_name(
+    tmp_path: Path, char: str, named: str
+) -> None:
+    # "gnp.\u202etxt.el" shows as "gnp.le.txt" wherever bidi text is rendered.
+    for name in (f"gnp.{char}txt.el", f"dir{char}/file", f"{char}"):
+        reason = rejection(build(body(), regular(name, b"x")), tmp_path / "dest")
+        assert reason == f"member {name!r}: {named} in the name"
+        assert reason.isprintable()  # the reason itself shows the name escaped
+    reason = rejection(build(body(), link("l", f"real{char}.el")), tmp_path / "dest")
+    assert reason == f"member 'l': {named} in the symlink target"
+
+
+def test_every_format_and_separator_character_is_rejected(tmp_path: Path) -> None:
+    invisible = [
+        chr(code)
+        for code in range(sys.maxunicode + 1)
+        if unicodedata.category(chr(code)) in ("Cf", "Zl", "Zp")
+    ]
+    assert len(invisible) > 150
+    for char in invisible:
+        reason = rejection(build(body(), regular(f"a{char}b", b"x")), tmp_path / "dest")
+        assert reason.endswith(f"U+{ord(char):04X} {unicodedata.name(char)} in the name")
+
+
+def test_visible_non_ascii_names_are_kept(tmp_path: Path) -> None:
+    names = ["é.el", "e\u0301.el", "日本語/ノート.txt", "a b.txt", "Ω≈ç√.el"]
+    archive = build(body(), *(regular(name, b"x") for name in names), link("l", "Ω/ノート"))
+    assert sorted(decode(archive, tmp_path / "dest")) == sorted([*names, "l", "organism.el"])
+
+
+# --- the body --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("members", "reason"),
+    [
+        ([regular("other.el", b"x")], "organism.el is missing"),
+        ([regular("sub/organism.el", b"x")], "organism.el is missing"),
+        (
+            [regular("real.el", b"x"), link("organism.el", "real.el")],
+            "organism.el is a symlink to 'real.el'",
+        ),
+        ([link("organism.el", "/etc/passwd")], "organism.el is a symlink to '/etc/passwd'"),
+        ([directory("organism.el")], "organism.el is a directory"),
+        ([regular("organism.el/inner.el", b"x")], "organism.el is a directory"),
+    ],
+)
+def test_a_result_without_a_regular_organism_el_is_rejected_naming_what_it_is(
+    tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes]], reason: str
+) -> None:
+    assert rejection(build(directory("./"), *members), tmp_path / "dest") == (
+        f"{reason}: a result must hold the body the next life loads as a regular file"
+    )
+
+
+def test_organism_el_of_any_other_type_is_rejected_as_that_member(tmp_path: Path) -> None:
+    for member, what in (
+        (special("organism.el", tarfile.FIFOTYPE), "a FIFO"),
+        (link("organism.el", "real.el", kind=tarfile.LNKTYPE), "a hard link"),
+    ):
+        archive = build(regular("real.el", b"x"), member)
+        assert rejection(archive, tmp_path / "dest").startswith(f"member 'organism.el': {what}")
+
+
+def test_an_executable_organism_el_is_a_regular_file(tmp_path: Path) -> None:
+    entries = decode(build(regular("organism.el", b"(body)\n", mode=0o755)), tmp_path / "dest")
+    assert entries["organism.el"].kind == "file" and entries["organism.el"].executable
+
+
+# --- through a real life ---------------------------------------------------------------
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_bidi_name_written_by_a_life_is_a_decoder_rejection_naming_it(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(
+        fleet,
+        "spoofer",
+        "(let ((file-name-coding-system 'utf-8))\n"
+        '  (with-temp-file "/work/gnp.\\u202etxt.el" (insert "shows as gnp.le.txt")))\n',
+    )
+    run_one(fleet, "spoofer")
+    assert fleet.subjects("spoofer")[0] == "gen 1: died (exit 0); staged writes discarded"
+    observation = fleet.observation("spoofer", 1)
+    assert observation["outcome"] == "decoder_rejection"
+    assert observation["rejection_reason"] == (
+        "member './gnp.\\u202etxt.el': U+202E RIGHT-TO-LEFT OVERRIDE in the name"
+    )
+    assert fleet.files("spoofer") == [".ouroboros-lineage.json", "journal.md", "organism.el"]

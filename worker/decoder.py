@@ -12,6 +12,19 @@ made itself, so no archive can make it write outside the destination. It trusts 
 caller for the destination (absent or empty, written by nobody else meanwhile) and for
 the limits, which come from the lineage's pinned physics.
 
+A published tree must hold ``organism.el`` as a regular file at its root: missing, a
+symlink, a directory (empty or not) or any other type is refused, naming what it was.
+The next life loads that path as its body, and a tree committed without a loadable one
+would make every later life die before its first form, for a reason no organism could
+undo. The rule is enforced here, with the other publication rules, and nowhere else:
+only the decoder still sees an empty directory or a symlink for what it was.
+
+Names and symlink targets must read as what they are. Control characters (C0, DEL, C1),
+invisible formatting characters (Unicode category Cf: the bidi overrides and isolates,
+zero-width characters, the soft hyphen, the byte-order mark...) and the line and
+paragraph separators are refused, and the reason names the code point: such a name
+renders spoofed in the web UI or a terminal, or splits in git's path-per-line plumbing.
+
 The tar reader is written here rather than taken from ``tarfile`` on purpose. On this
 interpreter (3.11.7) ``tarfile`` parses pax headers with backtracking regular
 expressions whose cost is quadratic in the header (CVE-2024-6232: a few MiB of crafted
@@ -28,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +49,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from worker.lineage import ORGANISM_PATH
 from worker.physics import Physics
 
 KERNEL_OWNED: frozenset[str] = frozenset({"journal.md", ".ouroboros-lineage.json"})
@@ -90,10 +105,9 @@ _NTFS_DOTGITMODULES = re.compile(
     + r")[. ]*(?::.*)?",
     re.ASCII | re.IGNORECASE | re.DOTALL,
 )
-# Code points HFS+ ignores when it compares names (git's next_hfs_char).
-_HFS_IGNORED = dict.fromkeys(
-    [*range(0x200C, 0x2010), *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF]
-)
+# Invisible formatting characters and the line and paragraph separators: a name holding
+# one does not read as what it is. (Control characters, Cc, get a reason of their own.)
+_INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
 
 
 class DecodeLimits(BaseModel):
@@ -377,7 +391,25 @@ def _plan(archive: bytes, limits: DecodeLimits) -> list[_Planned]:
         except _Broken as broken:
             raise DecoderRejection(f"member {_show(header.name)}: {broken}") from None
         planned.append(item)
+    _check_body(planned, kinds)
     return planned
+
+
+def _check_body(planned: list[_Planned], kinds: dict[tuple[str, ...], str]) -> None:
+    """organism.el, which the next life loads, must be a regular file at the root."""
+    body = next((item for item in planned if item.parts == (ORGANISM_PATH,)), None)
+    if body is None:
+        # Only a directory (declared, or implied by a deeper member) is neither planned
+        # nor absent: every other type was refused member by member.
+        what = "a directory" if (ORGANISM_PATH,) in kinds else "missing"
+    elif body.target is None:
+        return
+    else:
+        what = f"a symlink to {_show(body.target.encode())}"
+    raise DecoderRejection(
+        f"{ORGANISM_PATH} is {what}: a result must hold the body the next life loads "
+        "as a regular file"
+    )
 
 
 def _admit(
@@ -435,10 +467,9 @@ def _path_parts(name: str, kind: str) -> tuple[str, ...]:
         raise _Broken("empty name")
     if "\0" in name:
         raise _Broken("NUL in the name")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):
-        # Git's path-per-line interfaces would split a name at a newline (and drop a
-        # trailing CR), so such a name could make the kernel read a host path.
-        raise _Broken("control character in the name")
+    # Git's path-per-line interfaces would split a name at a newline (and drop a trailing
+    # CR), so such a name could make the kernel read a host path.
+    _check_legible(name, "the name")
     if name.startswith("/"):
         raise _Broken("absolute path")
     if len(name.encode()) > _PATH_MAX:
@@ -472,8 +503,22 @@ def _check_target(target: str) -> None:
         raise _Broken("empty symlink target")
     if "\0" in target:
         raise _Broken("NUL in the symlink target")
+    # git log -p and the web UI show a target as text, to a person.
+    _check_legible(target, "the symlink target")
     if len(target.encode()) > _PATH_MAX:
         raise _Broken(f"symlink target longer than {_PATH_MAX} bytes")
+
+
+def _check_legible(text: str, what: str) -> None:
+    """Refuse a control, invisible formatting or separator character, naming it."""
+    if text.isprintable():
+        return  # the common case; every refused character is unprintable
+    for ch in text:
+        category = unicodedata.category(ch)
+        if category == "Cc":
+            raise _Broken(f"control character in {what}")
+        if category in _INVISIBLE_CATEGORIES:
+            raise _Broken(f"U+{ord(ch):04X} {unicodedata.name(ch)} in {what}")
 
 
 def _is_dotgit(part: str) -> bool:
@@ -491,9 +536,12 @@ def _is_symlinked_gitmodules(parts: tuple[str, ...]) -> bool:
 
 
 def _hfs_folded(part: str) -> str:
-    """The name as HFS+ compares it, as far as git's needles (plain ASCII) need."""
-    folded = part.translate(_HFS_IGNORED)
-    return folded.lower() if folded.isascii() else folded
+    """The name as HFS+ compares it, as far as git's needles (plain ASCII) need.
+
+    HFS+ also ignores some zero-width and bidi code points (git's next_hfs_char), but
+    they are all Cf, so a name holding one never gets here: _check_legible refused it.
+    """
+    return part.lower() if part.isascii() else part
 
 
 def _utf8(raw: bytes, what: str) -> str:

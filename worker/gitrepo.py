@@ -18,7 +18,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,6 +32,8 @@ IDENTITY = {
     "GIT_COMMITTER_NAME": "ouroboros",
     "GIT_COMMITTER_EMAIL": "ouroboros@localhost",
 }
+# Tree modes of a regular file: a symlink (120000), a gitlink or a tree is not one.
+_REGULAR_MODES = frozenset({"100644", "100755"})
 # Only what git and ssh need travels into git's environment: never a provider key.
 _PASSED_ENV = ("PATH", "HOME", "SSH_AUTH_SOCK", "GIT_SSH_COMMAND", "TMPDIR")
 _SAFE_CONFIG = (
@@ -249,30 +251,55 @@ class LineageCache:
         """The body ``path`` had before the last change to it that was not a rollback.
 
         Rollback commits (subjects matching ``rollback_subject``) are skipped so that a
-        death after a rollback never restores the body that died before it.
+        death after a rollback never restores the body that died before it. Only a
+        regular file counts as a body: where ``path`` was a symlink, a directory or absent
+        before that change (lineages recorded before the decoder refused such results),
+        the change before it is asked, and so on back, so the answer is the last body
+        that was a regular file. If no change has one, it is the seed body: ``path`` in
+        the root commit. None only when not even the root holds ``path`` as a regular
+        file, which no lineage made by ``schedule-lineage init`` lacks.
         """
-        introduced = (
-            self.git(
+        for mode, sha in self._replaced(commit, path, rollback_subject):
+            if mode in _REGULAR_MODES:
+                return self.cat_blobs([sha])[sha]
+        root = self.git("rev-list", "--first-parent", "--max-parents=0", commit).stdout.decode()
+        seed = self.tree(root.split()[0]).get(path)
+        return (
+            self.cat_blobs([seed.sha])[seed.sha] if seed and seed.mode in _REGULAR_MODES else None
+        )
+
+    def _replaced(self, commit: str, path: str, rollback_subject: str) -> Iterator[Entry]:
+        """What ``path`` was before each change to it that is not a rollback, newest first.
+
+        Follows first parents, as the lineage's bodies follow one another. The mode is
+        ``000000`` where ``path`` did not exist (as a blob: a directory there shows as
+        its files, never as ``path`` itself).
+        """
+        # The newest change nearly always answers; the rest of the history is read only
+        # when it does not.
+        for window in (("-n", "1"), ("--skip", "1")):
+            out = self.git(
                 "log",
-                "-n",
-                "1",
-                "--format=%H",
+                *window,
+                "--first-parent",
+                "--format=",
+                "--raw",
+                "--no-abbrev",
+                "--no-renames",
                 "--invert-grep",
                 "-E",
                 f"--grep={rollback_subject}",
                 commit,
                 "--",
                 path,
-            )
-            .stdout.decode()
-            .strip()
-        )
-        if not introduced:
-            return None
-        parent = self.git("rev-parse", "--verify", "--quiet", f"{introduced}^", check=False)
-        if parent.returncode != 0:
-            return None
-        return self.read_blob(parent.stdout.decode().strip(), path)
+            ).stdout
+            # ":<old mode> <new mode> <old sha> <new sha> <status>\t<path>"; git quotes a
+            # path with unusual bytes, so a line names ``path`` only if it is ``path``.
+            for line in out.decode(errors="replace").splitlines():
+                meta, _, name = line.partition("\t")
+                if meta.startswith(":") and name == path:
+                    old_mode, _new_mode, old_sha = meta[1:].split()[:3]
+                    yield Entry(old_mode, old_sha)
 
     def hash_bytes(self, data: bytes) -> str:
         return (

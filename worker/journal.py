@@ -5,15 +5,29 @@ generation and the journal entry appended to ``journal.md``. The wording is the
 single-host original's (see the seed test) and readers parse it, so it changes only
 with a new schema. A death entry carries ``exit R`` and the last five stderr lines
 between ``~~~`` fences, nothing more: the full stderr goes to the observation.
+
+Those lines are the organism's, so they are made inert (they cannot read as a kernel
+heading or close the fence) and legible: the committed journal reaches a person through
+``git log -p`` and the web UI, so it carries no byte a terminal would act on and no
+character that would hide or reorder text. Control characters (C0 but the newline that
+ends a line, DEL, C1), invisible formatting characters (Unicode Cf: bidi overrides and
+isolates, zero-width characters, the soft hyphen...) and the line and paragraph
+separators are written as Python escapes: ``\\r``, ``\\x1b``, ``\\x9b``, ``\\u202e``. A
+backslash the organism wrote stays as it is, so the journal stays readable to the
+organism that reads it back; whether ``\\x1b`` there was an ESC or those four characters
+is told by the observation, which keeps the exact stderr.
 """
 
 from __future__ import annotations
 
+import unicodedata
 from datetime import datetime
 
 JOURNAL_STDERR_LINES = 5
 # Matches the subject of a death commit, in this wording and the original's.
 DEATH_SUBJECT = r"^gen [0-9]+: died "
+# What a terminal acts on or hides rather than shows (see the module docstring).
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 def changed_summary(organism_delta: tuple[int, int] | None, paths: int) -> str:
@@ -49,9 +63,23 @@ def entry_changed(generation: int, summary: str, when: datetime) -> str:
 
 
 def entry_died(generation: int, exit_code: int, stderr: str, when: datetime) -> str:
-    tail = stderr.rstrip().splitlines()[-JOURNAL_STDERR_LINES:]
-    fenced = "".join(f"{_inert(line)}\n" for line in tail)
+    text = stderr.rstrip()
+    # Lines end at a newline only: a CR or another break inside a line is shown, escaped.
+    tail = text.split("\n")[-JOURNAL_STDERR_LINES:] if text else []
+    fenced = "".join(f"{_inert(_legible(line))}\n" for line in tail)
     return _heading(generation, "died", when) + f"exit {exit_code}\n~~~\n{fenced}~~~\n"
+
+
+def _legible(line: str) -> str:
+    """The line with every control, invisible or separator character escaped."""
+    if line.isprintable():
+        return line  # the common case; every escaped character is unprintable
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(ch) in _ESCAPED_CATEGORIES
+        else ch
+        for ch in line
+    )
 
 
 def _inert(line: str) -> str:

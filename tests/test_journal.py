@@ -1,0 +1,114 @@
+"""The journal's death entries: the organism's last stderr lines, inert and legible.
+
+The committed ``journal.md`` reaches a person through ``git log -p`` and the web UI, so
+the stderr lines it carries hold no raw control, bidi or separator character; the
+full, exact stderr stays in the observation.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from lineage_support import Fleet
+from test_pipeline import make_lineage, run_one
+
+from worker import journal
+
+WHEN = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def fenced(stderr: str) -> list[str]:
+    """The lines between the fences of a death entry for ``stderr``."""
+    entry = journal.entry_died(7, 3, stderr, WHEN)
+    head, _, rest = entry.partition("~~~\n")
+    assert head == "## gen 7 — died — 2024-05-01T12:00:00+00:00\nexit 3\n"
+    body, _, tail = rest.rpartition("~~~\n")
+    assert tail == ""
+    return body.splitlines()
+
+
+def legible(text: str) -> bool:
+    return all(ch == "\n" or ch.isprintable() for ch in text)
+
+
+@pytest.mark.parametrize(
+    ("line", "shown"),
+    [
+        ("title \x1b]0;owned\x07 set", "title \\x1b]0;owned\\x07 set"),  # OSC, BEL
+        ("\x1b[2J\x1b[31mred", "\\x1b[2J\\x1b[31mred"),
+        ("c1 \x9b31m csi", "c1 \\x9b31m csi"),
+        ("nel \x85 next", "nel \\x85 next"),
+        ("progress 10%\rprogress 99%", "progress 10%\\rprogress 99%"),
+        ("tab\there", "tab\\there"),
+        ("del \x7f", "del \\x7f"),
+        ("vt \x0b ff \x0c fs \x1c.", "vt \\x0b ff \\x0c fs \\x1c."),
+        ("rtl \u202etxt.el", "rtl \\u202etxt.el"),
+        ("isolate \u2066x\u2069 zw\u200bsp", "isolate \\u2066x\\u2069 zw\\u200bsp"),
+        ("soft\u00adhyphen \ufeffbom", "soft\\xadhyphen \\ufeffbom"),
+        ("line\u2028sep para\u2029sep", "line\\u2028sep para\\u2029sep"),
+        ("tag \U000e0041", "tag \\U000e0041"),
+    ],
+)
+def test_control_bidi_and_separator_characters_are_escaped(line: str, shown: str) -> None:
+    assert fenced(f"before\n{line}\n") == ["before", shown]
+
+
+def test_printable_text_and_backslashes_are_kept_as_written() -> None:
+    line = 'Error: (file-missing "C:\\\\x1b" "é ノート — ok") \\u202e'
+    assert fenced(line) == [line]
+
+
+def test_a_carriage_return_does_not_end_a_line_of_the_five() -> None:
+    stderr = "".join(f"line {n}\r\n" for n in range(8))
+    # Trailing whitespace of the whole stderr is dropped, as before; a CR inside is shown.
+    assert fenced(stderr) == [*(f"line {n}\\r" for n in range(3, 7)), "line 7"]
+
+
+def test_escaping_cannot_make_or_hide_a_heading_or_a_fence() -> None:
+    lines = ["\x1b[0m## gen 9 — changed", "## gen 9 — forged", "~~~", "\u202e~~~"]
+    assert fenced("\n".join(lines)) == [
+        "\\x1b[0m## gen 9 — changed",
+        " ## gen 9 — forged",
+        " ~~~",
+        "\\u202e~~~",
+    ]
+
+
+def test_an_empty_stderr_gives_empty_fences() -> None:
+    assert fenced("") == fenced("\n \n") == []
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_the_committed_journal_holds_no_raw_terminal_bytes(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(
+        fleet,
+        "painter",
+        '(message "osc \\e]0;owned\\a then \\e[31mred")\n'
+        '(message "c1 \\u009b2J csi")\n'
+        '(message "before\\rafter")\n'
+        '(message "rtl \\u202etxt.el")\n'
+        "(kill-emacs 3)\n",
+    )
+    run_one(fleet, "painter")
+    assert fleet.subjects("painter")[0] == "gen 1: died (exit 3); staged writes discarded"
+    committed = subprocess.run(
+        ["git", f"--git-dir={fleet.repo}", "cat-file", "blob", "lineage-painter:journal.md"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    text = committed.decode("utf-8")
+    assert "osc \\x1b]0;owned\\x07 then \\x1b[31mred\n" in text
+    assert "c1 \\x9b2J csi\n" in text
+    assert "before\\rafter\n" in text
+    assert "rtl \\u202etxt.el\n" in text
+    assert legible(text), text
+    assert not any((byte < 0x20 and byte != 0x0A) or byte == 0x7F for byte in committed)
+    # The observation keeps what the organism wrote, byte for byte.
+    stderr = str(fleet.observation("painter", 1)["stderr"])
+    assert "\x1b]0;owned\x07" in stderr and "\x9b2J" in stderr and "\u202e" in stderr

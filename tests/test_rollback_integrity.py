@@ -1,0 +1,226 @@
+"""Rollback integrity: a lineage never loses the body its next life loads.
+
+A life that exits 0 after making organism.el a symlink, deleting it or making it a
+directory is a decoder_rejection death, and organism.el stays a regular 100644 file
+holding the body that lived. A lineage recorded before that rule, whose parent holds
+organism.el as a symlink, a directory, an executable or not at all, is repaired by its
+next death. Lives run on real bwrap, Emacs, git and cgroups; the history walk of
+``LineageCache.body_before`` is also checked on histories built with git plumbing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lineage_support import Fleet
+from test_pipeline import make_lineage, push_hand_commit, run_one
+
+from worker.gitrepo import Entry, LineageCache
+from worker.journal import DEATH_SUBJECT
+from worker.lineage import ORGANISM_PATH
+
+GOOD = '(message "alive")\n'
+REJECTED = ": a result must hold the body the next life loads as a regular file"
+TRICKS = {
+    "symlink": (
+        '(rename-file "/work/organism.el" "/work/real.el")\n'
+        '(make-symbolic-link "real.el" "/work/organism.el")\n',
+        "organism.el is a symlink to 'real.el'",
+    ),
+    "deleted": ('(delete-file "/work/organism.el")\n', "organism.el is missing"),
+    "directory": (
+        '(delete-file "/work/organism.el")\n(make-directory "/work/organism.el")\n',
+        "organism.el is a directory",
+    ),
+}
+
+
+def organism_at_head(fleet: Fleet, lineage: str) -> tuple[str, str]:
+    """The mode and text of organism.el at the lineage's head, which must be a blob."""
+    listing = fleet.git("ls-tree", f"lineage-{lineage}", ORGANISM_PATH)
+    mode, kind, sha = listing.partition("\t")[0].split()
+    assert kind == "blob", listing
+    assert not any(path.startswith(f"{ORGANISM_PATH}/") for path in fleet.files(lineage))
+    return mode, fleet.git("cat-file", "blob", sha)
+
+
+def generations(fleet: Fleet, lineage: str) -> int:
+    return sum(subject.startswith("gen ") for subject in fleet.subjects(lineage))
+
+
+def assert_next_life_is_ordinary(fleet: Fleet, lineage: str) -> None:
+    generation = generations(fleet, lineage) + 1
+    run_one(fleet, lineage)
+    assert fleet.subjects(lineage)[0] == f"gen {generation}: no-change"
+    observation = fleet.observation(lineage, generation)
+    assert (observation["outcome"], observation["exit_status"]) == ("no-change", 0)
+
+
+# --- a life cannot publish a tree without a regular organism.el --------------------------
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+@pytest.mark.parametrize("trick", sorted(TRICKS))
+def test_a_life_that_unmakes_its_body_dies_and_the_body_that_lived_stays(
+    tmp_path: Path, trick: str
+) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "trickster", GOOD)
+    lived = fleet.show("trickster", ORGANISM_PATH)
+    code, reason = TRICKS[trick]
+    push_hand_commit(fleet, "trickster", {ORGANISM_PATH: lived + code}, f"external edit: {trick}")
+    run_one(fleet, "trickster")
+    assert fleet.subjects("trickster")[0] == "gen 1: died (exit 0); staged writes discarded"
+    observation = fleet.observation("trickster", 1)
+    assert observation["outcome"] == "decoder_rejection"
+    assert observation["exit_status"] == 0
+    assert observation["rejection_reason"] == reason + REJECTED
+    assert organism_at_head(fleet, "trickster") == ("100644", lived)
+    assert "real.el" not in fleet.files("trickster")
+    assert_next_life_is_ordinary(fleet, "trickster")
+
+
+# --- a death repairs a lineage recorded before the rule ---------------------------------
+
+
+def legacy_commits(
+    cache: LineageCache, lived: bytes, state: str
+) -> list[tuple[str, dict[str, Entry]]]:
+    """(subject, organism paths) of the commits that left a lineage in ``state``."""
+
+    def blob(mode: str, data: bytes) -> Entry:
+        return Entry(mode, cache.hash_bytes(data))
+
+    return {
+        # A life left a dangling symlink and lived; the next died, and the rollback of
+        # the time kept the symlink's mode, storing the body that lived as its target.
+        "symlink": [
+            ("gen 1: changed (organism +1/-2; 1 paths)", {ORGANISM_PATH: blob("120000", b"gone")}),
+            (
+                "gen 2: died (exit 255); staged writes discarded",
+                {ORGANISM_PATH: blob("120000", lived)},
+            ),
+        ],
+        "missing": [("gen 1: changed (organism +0/-2; 1 paths)", {})],
+        "directory": [
+            (
+                "gen 1: changed (organism +0/-2; 2 paths)",
+                {f"{ORGANISM_PATH}/inner.el": blob("100644", b'(message "inner")\n')},
+            )
+        ],
+        "executable": [
+            (
+                "external edit: lethal, executable",
+                {ORGANISM_PATH: blob("100755", lived + b"(kill-emacs 9)\n")},
+            )
+        ],
+    }[state]
+
+
+def push_legacy_commits(fleet: Fleet, lineage: str, state: str) -> None:
+    """Commit a legacy state on the lineage branch with git plumbing, as an old fleet did."""
+    cache = LineageCache(fleet.repo, str(fleet.repo))
+    ref = f"refs/heads/lineage-{lineage}"
+    start = head = cache.rev(ref)
+    lived = cache.read_blob(head, ORGANISM_PATH)
+    assert lived is not None
+    for subject, organism in legacy_commits(cache, lived, state):
+        kept = {
+            path: entry
+            for path, entry in cache.tree(head).items()
+            if path != ORGANISM_PATH and not path.startswith(f"{ORGANISM_PATH}/")
+        }
+        head = cache.commit(head, {**kept, **organism}, subject)
+    fleet.git("update-ref", ref, head, start)
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+@pytest.mark.parametrize("state", ["symlink", "missing", "directory", "executable"])
+def test_a_death_on_a_legacy_parent_restores_a_regular_body(tmp_path: Path, state: str) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "legacy", GOOD)
+    lived = fleet.show("legacy", ORGANISM_PATH)
+    push_legacy_commits(fleet, "legacy", state)
+    generation = generations(fleet, "legacy") + 1
+    run_one(fleet, "legacy")
+    assert fleet.subjects("legacy")[0].startswith(f"gen {generation}: died (exit ")
+    assert fleet.observation("legacy", generation)["outcome"] == "process_exit"
+    assert organism_at_head(fleet, "legacy") == ("100644", lived)
+    assert_next_life_is_ordinary(fleet, "legacy")
+
+
+# --- body_before: the last body that was a regular file ---------------------------------
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> LineageCache:
+    return LineageCache(tmp_path / "cache", str(tmp_path / "remote"))
+
+
+def history(cache: LineageCache, *commits: tuple[str, str | None, bytes]) -> str:
+    """Commit each (subject, organism.el mode or None for absent, content) in turn."""
+    head: str | None = None
+    for subject, mode, data in commits:
+        entries = {"journal.md": Entry("100644", cache.hash_bytes(b""))}
+        if mode == "040000":
+            entries[f"{ORGANISM_PATH}/inner.el"] = Entry("100644", cache.hash_bytes(data))
+        elif mode is not None:
+            entries[ORGANISM_PATH] = Entry(mode, cache.hash_bytes(data))
+        head = cache.commit(head, entries, subject)
+    assert head is not None
+    return head
+
+
+def body_before(cache: LineageCache, head: str) -> bytes | None:
+    return cache.body_before(head, ORGANISM_PATH, DEATH_SUBJECT)
+
+
+SEED = ("seed", "100644", b"(seed)\n")
+
+
+def test_the_rule_is_kept_for_regular_bodies(cache: LineageCache) -> None:
+    first = ("gen 1: changed (organism +1/-1; 1 paths)", "100644", b"(first)\n")
+    second = ("gen 2: changed (organism +1/-1; 1 paths)", "100644", b"(second)\n")
+    assert body_before(cache, history(cache, SEED, first, second)) == b"(first)\n"
+    # A death after a rollback never restores the body that died before it.
+    rolled = ("gen 2: died (exit 9); staged writes discarded", "100644", b"(seed)\n")
+    assert body_before(cache, history(cache, SEED, first, rolled)) == b"(seed)\n"
+    # An executable body is a regular file, and a body all the same.
+    executable = ("gen 1: changed (organism +1/-1; 1 paths)", "100755", b"(first)\n")
+    assert body_before(cache, history(cache, SEED, executable, second)) == b"(first)\n"
+
+
+def test_a_symlink_or_missing_body_is_passed_over(cache: LineageCache) -> None:
+    linked = ("gen 1: changed (organism +1/-1; 1 paths)", "120000", b"gone")
+    died = ("gen 2: died (exit 255); staged writes discarded", "120000", b"(seed)\n")
+    assert body_before(cache, history(cache, SEED, linked, died)) == b"(seed)\n"
+    missing = ("gen 1: changed (organism +0/-1; 1 paths)", None, b"")
+    assert body_before(cache, history(cache, SEED, missing)) == b"(seed)\n"
+
+
+def test_the_walk_goes_back_to_the_last_regular_body(cache: LineageCache) -> None:
+    head = history(
+        cache,
+        SEED,
+        ("gen 1: changed (organism +1/-1; 1 paths)", "100644", b"(first)\n"),
+        ("gen 2: changed (organism +1/-1; 2 paths)", "040000", b"(inner)\n"),
+        ("gen 3: changed (organism +1/-0; 2 paths)", "120000", b"elsewhere.el"),
+        ("gen 4: changed (organism +0/-1; 1 paths)", None, b""),
+        ("gen 5: died (exit 255); staged writes discarded", "120000", b"(first)\n"),
+    )
+    assert body_before(cache, head) == b"(first)\n"
+
+
+def test_without_any_earlier_regular_body_the_seed_is_the_answer(cache: LineageCache) -> None:
+    assert body_before(cache, history(cache, SEED)) == b"(seed)\n"
+    lost = ("gen 1: died (exit 255); staged writes discarded", None, b"")
+    assert body_before(cache, history(cache, SEED, lost)) == b"(seed)\n"
+    linked = ("gen 1: died (exit 255); staged writes discarded", "120000", b"(seed)\n")
+    assert body_before(cache, history(cache, SEED, linked)) == b"(seed)\n"
+    # Only a root that holds no regular organism.el (no lineage init made) has none.
+    assert body_before(cache, history(cache, ("seed", "120000", b"elsewhere.el"))) is None
