@@ -1,7 +1,9 @@
-"""Helpers for the browsing tests: the legacy fixture, a hostile lineage, a served UI.
+"""Helpers for the browsing tests: the legacy sample imported, a hostile lineage, a served UI.
 
 The web UI is tested as users meet it: ``schedule-lineage serve`` runs as a
-subprocess in a ``Fleet`` home and is spoken to over real HTTP. The hostile
+subprocess in a ``Fleet`` home and is spoken to over real HTTP. The legacy sample
+is recorded by ``legacy_lineage`` into the test's own directory and imported as a
+real bundle, so nothing outside the repository is read. The hostile
 lineage is written with the worker's own git and store code (no sandbox needed),
 so organism-made text of every kind (file names, diffs, subjects, journal lines,
 stderr, prompts, responses) can carry markup aimed at the browser.
@@ -19,6 +21,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import httpx
+from legacy_lineage import write_legacy_bundle
 from lineage_support import Fleet, free_port
 
 from worker import journal
@@ -38,30 +41,6 @@ from worker.observation import (
 from worker.physics import Physics
 from worker.settings import Settings
 
-FIXTURE_BUNDLE = (
-    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "sample-lineage.bundle"
-)
-FIXTURE_GENERATIONS = {
-    1: "died",
-    2: "changed",
-    3: "no-change",
-    4: "no-change",
-    5: "changed",
-}
-FIXTURE_OUT_OF_LOOP = [
-    "human-written signpost: what this repository is and how to read it",
-    "external edit: restore live organism",
-    "external edit: silence probe",
-    "hand-commit: crasher for kill test",
-    "seed",
-]
-FIXTURE_BACKTRACE = [
-    '  error("boom")',
-    '  load-with-code-conversion("/work/organism.el" "/work/organism.el" nil t)',
-    '  command-line-1(("-l" "/work/organism.el"))',
-    "  command-line()",
-    "  normal-top-level()",
-]
 # Markup an unescaped page would run or render: a script, an event handler, a tag.
 PAYLOAD = "<script>alert('xss')</script><img src=x onerror=alert(1)><b>bold</b>"
 PAYLOAD_ESCAPED = (
@@ -74,8 +53,17 @@ def settings_of(fleet: Fleet) -> Settings:
     return Settings(home=fleet.home / ".ouroboros")
 
 
+def sample_bundle(directory: Path) -> Path:
+    """The legacy sample lineage as a git bundle in ``directory``, recorded on first use."""
+    bundle = directory / "sample-lineage.bundle"
+    # Several imports (twins, refusals) in one directory read the same recording.
+    if not bundle.exists():
+        write_legacy_bundle(bundle)
+    return bundle
+
+
 def import_fixture(fleet: Fleet, name: str = "sample") -> None:
-    fleet.ok("import-bundle", str(FIXTURE_BUNDLE), name)
+    fleet.ok("import-bundle", str(sample_bundle(fleet.home)), name)
 
 
 def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
@@ -267,7 +255,7 @@ class Served:
 
 
 def serve_sample_and_hostile(home: Path) -> Served:
-    """A web UI over the imported legacy fixture and a lineage full of hostile text."""
+    """A web UI over the imported legacy sample and a lineage full of hostile text."""
     fleet = Fleet(home)
     import_fixture(fleet)
     write_hostile_lineage(settings_of(fleet))

@@ -8,15 +8,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from browse_support import (
-    FIXTURE_BACKTRACE,
-    FIXTURE_GENERATIONS,
-    FIXTURE_OUT_OF_LOOP,
-    Served,
-    import_fixture,
-    settings_of,
-    write_hostile_lineage,
-)
+from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
+from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 from lineage_support import SMALL_PHYSICS, Fleet, Worker, seed_file
 
 from worker.assembly import observation_store

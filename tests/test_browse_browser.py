@@ -6,12 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browse_support import (
-    FIXTURE_BACKTRACE,
-    PAYLOAD,
-    Served,
-    serve_sample_and_hostile,
-)
+from browse_support import PAYLOAD, Served, serve_sample_and_hostile
+from legacy_lineage import FIXTURE_BACKTRACE
 from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, sync_playwright
 
 pytestmark = pytest.mark.browser

@@ -8,14 +8,17 @@ from pathlib import Path
 
 import pytest
 from browse_support import (
-    FIXTURE_BACKTRACE,
-    FIXTURE_BUNDLE,
-    FIXTURE_GENERATIONS,
-    FIXTURE_OUT_OF_LOOP,
     PAYLOAD,
     import_fixture,
+    sample_bundle,
     settings_of,
     write_hostile_lineage,
+)
+from legacy_lineage import (
+    FIXTURE_BACKTRACE,
+    FIXTURE_GENERATIONS,
+    FIXTURE_OUT_OF_LOOP,
+    write_legacy_bundle,
 )
 from lineage_support import Fleet
 
@@ -36,9 +39,10 @@ def _refused(fleet: Fleet, *args: str) -> str:
     return lines[0]
 
 
-def test_import_makes_the_bundle_branch_a_lineage_branch(fleet: Fleet) -> None:
+def test_import_makes_the_bundle_branch_a_lineage_branch(fleet: Fleet, tmp_path: Path) -> None:
+    # The recording is deterministic, so a second one names the very commit imported.
     assert fleet.git("rev-parse", "lineage-sample").strip() == (
-        "73db9f13b7251396957e8da3f23368730c05cbac"
+        write_legacy_bundle(tmp_path / "again.bundle")
     )
     assert fleet.subjects("sample")[-1] == "seed"
     # Only the lineage branch is added: no temporary import ref or FETCH_HEAD remains.
@@ -48,11 +52,10 @@ def test_import_makes_the_bundle_branch_a_lineage_branch(fleet: Fleet) -> None:
 
 
 def test_import_refusals_are_one_line_with_exit_2(fleet: Fleet, tmp_path: Path) -> None:
-    assert "already exists" in _refused(fleet, "import-bundle", str(FIXTURE_BUNDLE), "sample")
+    bundle = sample_bundle(fleet.home)
+    assert "already exists" in _refused(fleet, "import-bundle", str(bundle), "sample")
     for bad_name in ("../escape", "Upper", "x\n", ""):
-        assert "invalid lineage name" in _refused(
-            fleet, "import-bundle", str(FIXTURE_BUNDLE), bad_name
-        )
+        assert "invalid lineage name" in _refused(fleet, "import-bundle", str(bundle), bad_name)
     garbage = tmp_path / "garbage.bundle"
     garbage.write_bytes(b"# v2 git bundle\nnot really\n")
     assert "not a complete git bundle" in _refused(fleet, "import-bundle", str(garbage), "g")
@@ -61,7 +64,7 @@ def test_import_refusals_are_one_line_with_exit_2(fleet: Fleet, tmp_path: Path) 
     )
     # Two branches with different tips are two lineages, not one.
     clone = tmp_path / "clone"
-    subprocess.run(["git", "clone", "-q", str(FIXTURE_BUNDLE), str(clone)], check=True)
+    subprocess.run(["git", "clone", "-q", str(bundle), str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "branch", "other", "HEAD~3"], check=True)
     two = tmp_path / "two.bundle"
     subprocess.run(

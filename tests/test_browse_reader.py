@@ -1,4 +1,4 @@
-"""The read-only reader: numbering from subjects, the legacy fixture, caches, no writes."""
+"""The read-only reader: numbering from subjects, the legacy sample, caches, no writes."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from browse_support import (
-    FIXTURE_BACKTRACE,
-    FIXTURE_BUNDLE,
-    FIXTURE_GENERATIONS,
-    FIXTURE_OUT_OF_LOOP,
-    PAYLOAD,
-    write_hostile_lineage,
-)
+from browse_support import PAYLOAD, sample_bundle, write_hostile_lineage
+from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 
 from scheduler.history import journal_entries, journal_entry, parse_subject
 from scheduler.importer import import_bundle
@@ -29,7 +23,7 @@ from worker.store import ObservationStore, open_store
 @pytest.fixture
 def fixture_reader(tmp_path: Path, file_store: ObservationStore) -> Reader:
     repo = tmp_path / "lineages.git"
-    import_bundle(FIXTURE_BUNDLE, "sample", str(repo))
+    import_bundle(sample_bundle(tmp_path), "sample", str(repo))
     return Reader(file_store, repo)
 
 
@@ -144,7 +138,7 @@ def test_compare_puts_organism_first_and_unknown_numbers_are_not_found(
 def test_family_groups_lineages_seeded_from_the_same_organism(
     fixture_reader: Reader, tmp_path: Path
 ) -> None:
-    import_bundle(FIXTURE_BUNDLE, "sample-twin", str(tmp_path / "lineages.git"))
+    import_bundle(sample_bundle(tmp_path), "sample-twin", str(tmp_path / "lineages.git"))
     seed = fixture_reader.summary("sample").seed_sha256
     assert seed is not None
     root_organism = _git(tmp_path / "lineages.git", "show", "lineage-sample~9:organism.el")
