@@ -3,7 +3,7 @@
 (defvar organism-prompt
   "You are the source code of the file /work/organism.el.
 
-This file is loaded top to bottom, once, by `emacs -Q --batch -l /work/organism.el'.
+This file is loaded top to bottom, once, by `emacs -Q --script /work/organism.el'.
 That load is your life. If the process exits non-zero, nothing you wrote survives
 and the previous version of this file is restored. Whatever /work contains when
 the process exits zero becomes the next generation.

@@ -33,23 +33,15 @@ import uvicorn
 
 from scheduler.reader import Reader
 from scheduler.web.app import create_app
-from worker import journal
-from worker.lineage import JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH, LineageMetadata
-from worker.observation import (
-    IndexEntry,
-    LineageIndex,
-    ModelCall,
-    Observation,
-    Provenance,
-    RunRecord,
-    generation_key,
-    index_key,
-    metadata_key,
-    run_key,
-)
-from worker.physics import Physics
-from worker.settings import Settings
-from worker.store import FileStore, ObservationStore, open_store
+from worker.fleet.runs import RunRecord
+from worker.fleet.settings import Settings
+from worker.instrument import journal
+from worker.instrument.keys import generation_key, index_key, metadata_key, run_key
+from worker.instrument.lineage import LineageMetadata
+from worker.instrument.names import JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH
+from worker.instrument.physics import Physics
+from worker.instrument.records import IndexEntry, LineageIndex, ModelCall, Observation, Provenance
+from worker.instrument.store import FileStore, ObservationStore, open_store
 
 TARGET_SECONDS = 0.300
 NAME = "big"

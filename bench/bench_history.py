@@ -19,7 +19,7 @@ command of the worker runs with ``gc.auto=0``, pushes and fetches of a few objec
 are unpacked, so nothing ever packs them). The cache is warm (it holds the history,
 as a worker that has been serving the lineage does).
 
-Timed: ``Pipeline.run`` in this process (``worker.assembly.build_pipeline(Settings())``),
+Timed: ``Pipeline.run`` in this process (``worker.fleet.assembly.build_pipeline(Settings())``),
 interleaved short/long, median of N each, in three settings:
 
 * **warm, loose** (the steady state; the ratio that counts against the target);
@@ -110,8 +110,8 @@ def git_label(_git_dir: object, *args: str, **_: object) -> str:
 
 def instrument(steps: Steps) -> None:
     """Time every git command and the big non-git steps of Pipeline.run (where they exist)."""
-    import worker.generation as generation
-    import worker.gitrepo as gitrepo
+    import worker.instrument.gitrepo as gitrepo
+    import worker.instrument.pipeline as generation
 
     def patch(owner: object, attr: str, label: str | Callable[..., str]) -> None:
         original = getattr(owner, attr, None)
@@ -128,14 +128,15 @@ def instrument(steps: Steps) -> None:
     patch(generation.Pipeline, "_index", "index.json read+rewrite")
     patch(generation.Pipeline, "drain", "spool drain")
     patch(getattr(generation, "Spool", None), "save", "spool save (fsync)")
-    patch(getattr(generation, "ModelBroker", None), "__enter__", "model socket start")
-    patch(getattr(generation, "ModelBroker", None), "__exit__", "model socket stop")
+    patch(getattr(generation, "ModelSocket", None), "__enter__", "model socket start")
+    patch(getattr(generation, "ModelSocket", None), "__exit__", "model socket stop")
 
 
 def grow(fleet: BenchFleet, lineage: str, generations: int, store: object) -> str:
     """Append ``generations`` synthetic generation commits to the lineage; the pack file."""
-    from worker import journal
-    from worker.observation import IndexEntry, LineageIndex, index_key
+    from worker.instrument import journal
+    from worker.instrument.keys import index_key
+    from worker.instrument.records import IndexEntry, LineageIndex
 
     seed = fleet.head(lineage)
     assert seed
@@ -247,15 +248,12 @@ def main() -> None:
         import contextlib
         import io
 
-        from rich.console import Console
-
         import scheduler.cli as cli_module
-        from worker.assembly import build_pipeline, lineage_cache, observation_store
-        from worker.generation import GenerationJob
-        from worker.gitrepo import LineageCache
-        from worker.settings import Settings
+        from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
+        from worker.fleet.settings import Settings
+        from worker.instrument.gitrepo import LineageCache
+        from worker.instrument.pipeline import GenerationJob
 
-        cli_module.console = Console(file=io.StringIO())
         body = (READS_JOURNAL if args.organism_reads_journal else "") + ORGANISM
         seed = fleet.write_seed("history.el", body)
         for name in (SHORT, LONG):

@@ -58,7 +58,7 @@ LANDING_TIMEOUT = 120.0
 
 def floor_argv(seed: Path) -> list[str]:
     """bwrap + emacs with the worker's isolation flags, no kernel, no staging, no scope."""
-    from worker.sandbox import SANDBOX_PATH, USR_SYMLINKS, resolve_emacs
+    from worker.instrument.sandbox import SANDBOX_PATH, USR_SYMLINKS, resolve_emacs
 
     return [
         "bwrap",
@@ -155,10 +155,9 @@ def main() -> None:
     with BenchFleet("latency", args.redis_url, args.keep) as fleet:
         fleet.activate()
         import redis
-        from rich.console import Console
 
         import scheduler.cli as cli_module
-        import worker.gitrepo as gitrepo
+        import worker.instrument.gitrepo as gitrepo
 
         # Count the git commands `schedule-lineage run` itself runs (the scheduler side).
         git_calls: collections.Counter[str] = collections.Counter()
@@ -171,7 +170,6 @@ def main() -> None:
         gitrepo.run_git = counting_run_git
 
         # The click command's own output goes nowhere; the commit and observation speak.
-        cli_module.console = Console(file=io.StringIO())
         client = redis.Redis.from_url(fleet.redis_url)
         seed = fleet.write_seed("hello.el", ORGANISM)
         fleet.cli("init", LINEAGE, "--seed", str(seed), *SMALL_PHYSICS)

@@ -52,11 +52,9 @@ def main() -> None:
     with BenchFleet("parallel", args.redis_url, args.keep) as fleet:
         fleet.activate()
         import redis
-        from rich.console import Console
 
         import scheduler.cli as cli_module
 
-        cli_module.console = Console(file=io.StringIO())
         client = redis.Redis.from_url(fleet.redis_url)
 
         def cli(*argv: str) -> None:

@@ -1,6 +1,8 @@
 """Shared machinery of the fleet benchmarks (bench_latency, bench_parallel, bench_history).
 
-Each benchmark runs against an isolated fleet in a temporary directory:
+Each benchmark runs against an isolated fleet in a temporary directory, driven by the
+fleet harness the tests use (``tests/lineage_support.py``: ``Fleet``, ``Worker``,
+``PrivateRedis``, ``wait_for``), plus what only a benchmark needs:
 
 * a **snapshot of the source tree** (``worker/``, ``scheduler/``, ``sandbox_scripts/``,
   ``organism.el``) copied at start and put first on ``PYTHONPATH`` (and on this
@@ -16,40 +18,46 @@ Each benchmark runs against an isolated fleet in a temporary directory:
   mid-run); ``--redis-url redis://127.0.0.1:6379/13`` uses an existing Redis instead
   (the database is flushed first);
 * real ``celery -A worker worker`` processes, each in its own process group, stopped
-  by their own pid.
+  by their own pid;
+* the command line and the reporting (medians, spreads, verdicts) of the benchmarks.
 
-Nothing here imports from ``tests/``. Call ``BenchFleet.activate()`` before importing
-anything from ``worker`` or ``scheduler`` in the benchmark process.
+The harness imports nothing of ``worker`` or ``scheduler``. Call
+``BenchFleet.activate()`` before importing anything from them in the benchmark process.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
+
+# The fleet harness lives with the tests (they import it from there): one copy for both.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from lineage_support import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, seed_file, wait_for
+
+__all__ = [
+    "PYTHON",
+    "SMALL_PHYSICS",
+    "BenchFleet",
+    "bench_args",
+    "machine_note",
+    "median",
+    "spread",
+    "verdict",
+    "wait_for",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_ITEMS = ("worker", "scheduler", "sandbox_scripts", "organism.el")
-INSTRUMENT_COMMIT = "a" * 40
-# Small physics: enough for a trivial life, and quick cgroup setup.
-SMALL_PHYSICS = ["--wall", "60", "--cpu-seconds", "60", "--memory-max", "256M"]
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# A warm shutdown lets the generation in progress finish first.
+WORKER_STOP_GRACE_SECONDS = 60
 
 
 def snapshot_source(dest: Path) -> Path:
@@ -65,124 +73,8 @@ def snapshot_source(dest: Path) -> Path:
     return dest
 
 
-def wait_for(
-    predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05
-) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-class PrivateRedis:
-    """A throw-away redis-server on a free TCP port, no persistence."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        directory.mkdir(parents=True, exist_ok=True)
-        self.log = (directory / "redis.log").open("wb")
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(directory),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        wait_for(self._pings, 20, "the private redis-server")
-
-    def _pings(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError("redis-server exited; see its log")
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-
-
-class Worker:
-    """A real ``celery -A worker worker`` process in its own process group."""
-
-    def __init__(self, fleet: BenchFleet, name: str, concurrency: int = 1, **env: str) -> None:
-        self.name = name
-        self.log_path = fleet.root / f"worker-{name}.log"
-        self.log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [
-                PYTHON,
-                "-m",
-                "celery",
-                "-A",
-                "worker",
-                "worker",
-                "--loglevel=INFO",
-                "-n",
-                f"{name}@%h",
-                f"--concurrency={concurrency}",
-                "--without-gossip",
-                "--without-mingle",
-            ],
-            env={**fleet.env, **env},
-            cwd=fleet.root,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        def ready() -> bool:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"worker {self.name} exited:\n{self.text()[-3000:]}")
-            return "ready." in self.text()
-
-        wait_for(ready, timeout, f"worker {self.name} to be ready", 0.1)
-
-    def stop(self) -> None:
-        """SIGTERM (warm shutdown) to the worker's own process group; SIGKILL if it lingers."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
-        self.log.close()
-
-
 class BenchFleet:
-    """An isolated fleet home: snapshot source, env, Redis, workers; a context manager."""
+    """A harness ``Fleet`` on a snapshot of the source, with its Redis and workers."""
 
     def __init__(
         self,
@@ -195,7 +87,6 @@ class BenchFleet:
         self.root = Path(tempfile.mkdtemp(prefix=f"ouro-bench-{prefix}-"))
         self.keep = keep
         self.source = snapshot_source(self.root / "src")
-        self.home = self.root / ".ouroboros"
         self.redis: PrivateRedis | None = None
         if not with_redis:
             # In-process pipeline only: never contacted, but settings want a URL.
@@ -207,17 +98,14 @@ class BenchFleet:
             _flush(redis_url)
         self.redis_url = redis_url
         self.workers: list[Worker] = []
-        self.env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(self.root),
-            "LANG": "C.UTF-8",
-            "PYTHONPATH": str(self.source),
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "OUROBOROS_HOME": str(self.home),
-            "OUROBOROS_INSTRUMENT_COMMIT": INSTRUMENT_COMMIT,
-            "OUROBOROS_MODEL_PROVIDER": "scripted",
-            "OUROBOROS_BROKER_URL": redis_url,
-        }
+        self.fleet = Fleet(
+            self.root,
+            LANG="C.UTF-8",
+            PYTHONPATH=str(self.source),
+            PYTHONDONTWRITEBYTECODE="1",
+            OUROBOROS_BROKER_URL=redis_url,
+        )
+        self.env = self.fleet.env
 
     # -- the benchmark process itself -------------------------------------------------
 
@@ -237,16 +125,17 @@ class BenchFleet:
 
     @property
     def repo(self) -> Path:
-        return self.home / "lineages.git"
+        return self.fleet.repo
 
     @property
     def observations(self) -> Path:
-        return self.home / "observations"
+        return self.fleet.observations
 
     def observation_path(self, lineage: str, generation: int) -> Path:
-        return self.observations / "lineages" / lineage / "generations" / f"{generation:06d}.json"
+        return self.fleet.observation_path(lineage, generation)
 
     def observation_count(self, lineage: str) -> int:
+        """How many observations are stored (one directory read: cheap enough to poll)."""
         directory = self.observations / "lineages" / lineage / "generations"
         try:
             return sum(1 for name in os.listdir(directory) if name.endswith(".json"))
@@ -275,43 +164,26 @@ class BenchFleet:
         return out or None
 
     def git(self, *args: str, input: bytes | None = None) -> bytes:
-        return subprocess.run(
-            ["git", f"--git-dir={self.repo}", *args], input=input, capture_output=True, check=True
-        ).stdout
+        return self.fleet.git_bytes(*args, input=input)
 
     # -- processes ----------------------------------------------------------------------
 
     def cli(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        """``schedule-lineage ARGS`` as a subprocess (``python -m scheduler``)."""
-        result = subprocess.run(
-            [PYTHON, "-m", "scheduler", *args],
-            env=self.env,
-            cwd=self.root,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"schedule-lineage {' '.join(args)} failed ({result.returncode}):\n"
-                f"{result.stderr}{result.stdout}"
-            )
-        return result
+        """``schedule-lineage ARGS`` as a subprocess, which must succeed."""
+        return self.fleet.ok(*args, timeout=timeout)
 
     def start_worker(self, name: str, concurrency: int = 1, **env: str) -> Worker:
-        worker = Worker(self, name, concurrency, **env)
+        worker = Worker(self.fleet, name, concurrency=concurrency, **env)
         self.workers.append(worker)
         worker.wait_ready()
         return worker
 
     def write_seed(self, name: str, body: str) -> Path:
-        path = self.root / name
-        path.write_text(";;; bench organism  -*- lexical-binding: t; -*-\n" + body)
-        return path
+        return seed_file(self.root, body, name)
 
     def close(self) -> None:
         for worker in self.workers:
-            worker.stop()
+            worker.stop(WORKER_STOP_GRACE_SECONDS)
         if self.redis is not None:
             self.redis.stop()
         if self.keep:

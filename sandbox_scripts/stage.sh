@@ -27,7 +27,12 @@ tar -x --no-same-owner -f /kernel/base.tar -C /work </dev/null >&2 || {
     exit 70
 }
 
-"$emacs" -Q --batch -l /work/organism.el </dev/null >&2
+# Exactly /work/organism.el, never a shadow: `-l` would search suffixes first, so an
+# organism.el.elc, organism.el.el or organism.el.el.gz the organism left would be loaded
+# instead, for good, since a rollback restores organism.el only. `--script` is batch mode
+# loading the file with `load`'s NOSUFFIX (`-scriptload`); errors, exit statuses and
+# backtraces are those of `-l` (the backtrace names `-scriptload` for `-l`).
+"$emacs" -Q --script /work/organism.el </dev/null >&2
 status=$?
 
 # As pid 1, kill -1 reaches every other process in the sandbox at once (the kernel does

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from worker import coordination
-from worker.assembly import lineage_cache, observation_store
-from worker.broker.providers import HTTP_PROVIDERS
-from worker.ceilings import select_ceiling
-from worker.sandbox import resolve_emacs
-from worker.settings import Settings
+from worker.fleet import leases
+from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.settings import Settings
+from worker.instrument.ceilings import select_ceiling
+from worker.instrument.model.providers import HTTP_PROVIDERS
+from worker.instrument.sandbox import resolve_emacs
 
 
 class Check(BaseModel):
@@ -64,7 +64,7 @@ def checks(settings: Settings) -> list[Check]:
             "broker",
             lambda: (
                 f"{_redacted(settings.broker)} answers"
-                if coordination.redis_client(settings).ping()
+                if leases.redis_client(settings).ping()
                 else "no answer"
             ),
         ),

@@ -12,7 +12,7 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from scheduler.fleet import Fleet, LineageStatus
+from scheduler.status import Fleet, LineageStatus
 
 POLL_SECONDS = 1.0
 WORKER_CHECK_SECONDS = 15.0

@@ -1,6 +1,6 @@
 """Reading the kernel's wording back: commit subjects and journal entries.
 
-Owns the parsing of what ``worker.journal`` writes (and what the single-host
+Owns the parsing of what ``worker.instrument.journal`` writes (and what the single-host
 original wrote before it): which commits are generations and their numbers, their
 outcome as the subject states it, and the journal entry of one generation with a
 death's exit status and fenced stderr lines. Generation numbers come only from
@@ -18,7 +18,8 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel
 
-from worker.journal import JOURNAL_STDERR_LINES
+from worker.instrument.journal import JOURNAL_STDERR_LINES
+from worker.instrument.names import generation_number
 
 CommitKind = Literal["changed", "no-change", "died", "generation", "seed", "out-of-loop"]
 
@@ -26,7 +27,6 @@ CommitKind = Literal["changed", "no-change", "died", "generation", "seed", "out-
 # "gen N: died (exit R); staged writes discarded". Legacy: "gen N: changed +A/-B",
 # "gen N: died (exit R); reverted". "generation" is a numbered subject whose rest
 # neither wording explains: still a generation, outcome unknown.
-_GEN_SUBJECT = re.compile(r"^gen ([1-9][0-9]{0,8}): (.*)$", re.DOTALL)
 _CHANGED = re.compile(r"^changed(?: \((?P<current>[^)]*)\)| (?P<legacy>\+\d+/-\d+))$")
 _DIED = re.compile(r"^died \(exit (-?\d{1,6})\);")
 _HEADING = re.compile(r"^## gen ([1-9][0-9]{0,8}) — (.*?)(?: — (\S+))?$")
@@ -56,10 +56,10 @@ class JournalEntry(BaseModel):
 
 def parse_subject(subject: str, *, is_root: bool) -> SubjectMeaning:
     """The meaning of one commit subject; only ``gen N:`` subjects carry a number."""
-    match = _GEN_SUBJECT.match(subject)
-    if match is None:
+    generation = generation_number(subject)
+    if generation is None:
         return SubjectMeaning(kind="seed" if is_root else "out-of-loop")
-    generation, rest = int(match.group(1)), match.group(2)
+    rest = subject.split(": ", 1)[1]
     if rest == "no-change":
         return SubjectMeaning(kind="no-change", generation=generation)
     changed = _CHANGED.match(rest)

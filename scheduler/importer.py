@@ -18,15 +18,16 @@ import os
 import uuid
 from pathlib import Path
 
-from worker.errors import Refusal
-from worker.gitrepo import (
+from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import (
     branch_ref,
     ensure_shared_repo,
     is_local,
     local_path,
     run_git,
 )
-from worker.lineage import NAME_PATTERN, ORGANISM_PATH, check_name
+from worker.instrument.lineage import NAME_PATTERN, check_name
+from worker.instrument.names import ORGANISM_PATH
 
 
 def import_bundle(bundle: Path, name: str, repo_url: str) -> str:

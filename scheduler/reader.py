@@ -32,7 +32,9 @@ from typing import NamedTuple
 
 from pydantic import ValidationError
 
-from scheduler.browse import (
+from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
+from scheduler.readgit import ReadOnlyGit
+from scheduler.views import (
     CommitView,
     CompareView,
     FamilyView,
@@ -47,28 +49,15 @@ from scheduler.browse import (
     SeriesPoint,
     is_death,
 )
-from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
-from scheduler.readgit import ReadOnlyGit
-from worker.errors import Refusal
-from worker.gitrepo import BRANCH_PREFIX, GitError, is_local, local_path
-from worker.lineage import (
-    JOURNAL_PATH,
-    METADATA_PATH,
-    NAME_PATTERN,
-    ORGANISM_PATH,
-    LineageMetadata,
-)
-from worker.observation import (
-    IndexEntry,
-    LineageIndex,
-    Observation,
-    RunRecord,
-    generation_key,
-    index_key,
-)
-from worker.planner import Progress, run_progress
-from worker.settings import Settings
-from worker.store import ObservationStore, open_store
+from worker.fleet.runs import Progress, RunRecord, run_progress
+from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import GitError, is_local, local_path
+from worker.instrument.keys import generation_key, index_key
+from worker.instrument.lineage import NAME_PATTERN, LineageMetadata
+from worker.instrument.names import BRANCH_PREFIX, JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH
+from worker.instrument.records import IndexEntry, LineageIndex, Observation
+from worker.instrument.store import ObservationStore, open_store
 
 DEFAULT_PER_PAGE = 50
 MAX_PER_PAGE = 500

@@ -18,7 +18,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from worker.gitrepo import run_git
+from worker.instrument.gitrepo import run_git
 
 ALLOWED = frozenset({"for-each-ref", "rev-parse", "log", "cat-file", "diff"})
 _DIFF_GUARDS = ("--no-ext-diff", "--no-textconv", "--no-color", "--no-renames")

@@ -24,22 +24,16 @@ import httpx
 from legacy_lineage import write_legacy_bundle
 from lineage_support import Fleet, free_port
 
-from worker import journal
-from worker.assembly import lineage_cache, observation_store
-from worker.gitrepo import Entry
-from worker.instrument import Instrument
-from worker.lineage import JOURNAL_PATH, ORGANISM_PATH, create_lineage
-from worker.observation import (
-    IndexEntry,
-    LineageIndex,
-    ModelCall,
-    Observation,
-    Provenance,
-    generation_key,
-    index_key,
-)
-from worker.physics import Physics
-from worker.settings import Settings
+from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.settings import Settings
+from worker.instrument import journal
+from worker.instrument.fingerprint import Instrument
+from worker.instrument.gitrepo import Entry
+from worker.instrument.keys import generation_key, index_key
+from worker.instrument.lineage import create_lineage
+from worker.instrument.names import JOURNAL_PATH, ORGANISM_PATH
+from worker.instrument.physics import Physics
+from worker.instrument.records import IndexEntry, LineageIndex, ModelCall, Observation, Provenance
 
 # Markup an unescaped page would run or render: a script, an event handler, a tag.
 PAYLOAD = "<script>alert('xss')</script><img src=x onerror=alert(1)><b>bold</b>"

@@ -21,8 +21,8 @@ import boto3
 import pytest
 from lineage_support import free_port
 
-from worker.settings import Settings
-from worker.store import ObservationStore, open_store
+from worker.fleet.settings import Settings
+from worker.instrument.store import ObservationStore, open_store
 
 S3_REGION = "us-east-1"
 MOTO_START_SECONDS = 30

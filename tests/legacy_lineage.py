@@ -18,7 +18,7 @@ The wording, identity and paths are written out here rather than taken from
 ``worker``: they are what the original recorded, and must stay readable even
 when the fleet's own wording moves on.
 
-Trusts: the git binary, run through ``worker.gitrepo.run_git`` with no global
+Trusts: the git binary, run through ``worker.instrument.gitrepo.run_git`` with no global
 configuration, so nothing of this machine's git setup (signing, default branch)
 shapes the objects: the same commits come out on every run.
 """
@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from worker.gitrepo import run_git
+from worker.instrument.gitrepo import run_git
 
 FIXTURE_GENERATIONS = {
     1: "died",

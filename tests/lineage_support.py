@@ -1,8 +1,19 @@
-"""Helpers for tests that create lineages and run generations through the real CLI.
+"""The fleet harness: an isolated fleet home driven as a user drives it, for tests and benches.
 
-Each test gets its own ``OUROBOROS_HOME`` (shared bare repository, file observation
-store, state) and drives ``python -m scheduler`` as a subprocess with a clean
-environment, exactly as a user would.
+One copy serves both the tests (``from lineage_support import ...``) and the
+benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
+
+* ``Fleet``: a private ``HOME`` and ``OUROBOROS_HOME`` (shared bare repository, file
+  observation store, state), ``OUROBOROS_INSTRUMENT_COMMIT`` fixed, the ``scripted``
+  provider, and ``python -m scheduler`` run as a subprocess with that clean
+  environment; git helpers that read the shared repository;
+* ``Worker``: a real ``celery -A worker worker`` process in its own process group,
+  stopped or killed by its own pid;
+* ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port;
+* ``free_port``, ``wait_for``, ``seed_file``.
+
+Imports nothing of ``worker`` or ``scheduler``: a benchmark must be able to load it
+before it chooses which copy of the instrument its process imports.
 """
 
 from __future__ import annotations
@@ -17,11 +28,39 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 INSTRUMENT_COMMIT = "a" * 40
 
 # Enough to make an organism's life observable in a second or two of CPU.
 SMALL_PHYSICS = ["--wall", "60", "--cpu-seconds", "60", "--memory-max", "512M"]
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Poll ``predicate`` until it returns something true, and return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def seed_file(directory: Path, body: str, name: str = "seed.el") -> Path:
+    path = directory / name
+    path.write_text(";;; test organism  -*- lexical-binding: t; -*-\n" + body)
+    return path
 
 
 class Fleet:
@@ -47,6 +86,7 @@ class Fleet:
         return self.home / ".ouroboros" / "observations"
 
     def cli(self, *args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
+        """``schedule-lineage ARGS`` as a subprocess (``python -m scheduler``)."""
         return subprocess.run(
             [sys.executable, "-m", "scheduler", *args],
             env={**self.env, **env},
@@ -57,17 +97,24 @@ class Fleet:
             timeout=timeout,
         )
 
-    def ok(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-        result = self.cli(*args, **env)
-        assert result.returncode == 0, result.stderr + result.stdout
+    def ok(self, *args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
+        """``cli``, which must succeed."""
+        result = self.cli(*args, timeout=timeout, **env)
+        if result.returncode != 0:
+            raise AssertionError(
+                f"schedule-lineage {' '.join(args)} failed ({result.returncode}):\n"
+                f"{result.stderr}{result.stdout}"
+            )
         return result
 
     def git(self, *args: str) -> str:
         return subprocess.run(
-            ["git", f"--git-dir={self.repo}", *args],
-            capture_output=True,
-            text=True,
-            check=True,
+            ["git", f"--git-dir={self.repo}", *args], capture_output=True, text=True, check=True
+        ).stdout
+
+    def git_bytes(self, *args: str, input: bytes | None = None) -> bytes:
+        return subprocess.run(
+            ["git", f"--git-dir={self.repo}", *args], input=input, capture_output=True, check=True
         ).stdout
 
     def subjects(self, lineage: str) -> list[str]:
@@ -79,32 +126,23 @@ class Fleet:
     def files(self, lineage: str) -> list[str]:
         return self.git("ls-tree", "-r", "--name-only", f"lineage-{lineage}").splitlines()
 
+    def observation_path(self, lineage: str, generation: int) -> Path:
+        return self.observations / "lineages" / lineage / "generations" / f"{generation:06d}.json"
+
     def observation(self, lineage: str, generation: int) -> dict[str, object]:
-        path = self.observations / "lineages" / lineage / "generations" / f"{generation:06d}.json"
-        return json.loads(path.read_text())
+        return json.loads(self.observation_path(lineage, generation).read_text())
 
     def observation_numbers(self, lineage: str) -> list[int]:
         directory = self.observations / "lineages" / lineage / "generations"
         return sorted(int(p.stem) for p in directory.glob("*.json")) if directory.exists() else []
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def seed_file(directory: Path, body: str, name: str = "seed.el") -> Path:
-    path = directory / name
-    path.write_text(";;; test organism  -*- lexical-binding: t; -*-\n" + body)
-    return path
-
-
 class Worker:
     """A real ``celery -A worker worker`` process in its own process group."""
 
-    def __init__(self, fleet: Fleet, name: str, *extra_args: str, **env: str) -> None:
+    def __init__(
+        self, fleet: Fleet, name: str, *extra_args: str, concurrency: int = 1, **env: str
+    ) -> None:
         self.name = name
         self.log_path = fleet.home / f"worker-{name}.log"
         self.log = self.log_path.open("wb")
@@ -119,7 +157,7 @@ class Worker:
                 "--loglevel=INFO",
                 "-n",
                 f"{name}@%h",
-                "--concurrency=1",
+                f"--concurrency={concurrency}",
                 "--without-gossip",
                 "--without-mingle",
                 *extra_args,
@@ -136,11 +174,15 @@ class Worker:
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while "ready." not in self.text():
-            assert self.process.poll() is None, self.text()
-            assert time.monotonic() < deadline, self.text()
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited:\n{self.text()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"worker {self.name} not ready in {timeout:g} s:\n{self.text()}"
+                )
             time.sleep(0.1)
 
     def kill(self) -> None:
@@ -149,19 +191,62 @@ class Worker:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=30)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 30) -> None:
+        """SIGTERM (warm shutdown) to the worker's own process group; SIGKILL if it lingers."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 self.kill()
         self.log.close()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+class PrivateRedis:
+    """A throw-away redis-server on a free TCP port, no persistence."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        directory.mkdir(parents=True, exist_ok=True)
+        self.log = (directory / "redis.log").open("wb")
+        self.process = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(directory),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        wait_for(self._pings, 20, "the private redis-server", 0.05)
+
+    def _pings(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError("redis-server exited; see its log")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()

@@ -12,8 +12,10 @@ from browse_support import Served, import_fixture, settings_of, write_hostile_li
 from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 from lineage_support import SMALL_PHYSICS, Fleet, Worker, seed_file
 
-from worker.assembly import observation_store
-from worker.observation import DEATHS, RunRecord, run_key
+from worker.fleet.assembly import observation_store
+from worker.fleet.runs import RunRecord
+from worker.instrument.keys import run_key
+from worker.instrument.records import DEATHS
 
 CRASH = '(message "about to die")\n(error "boom from the organism")\n'
 

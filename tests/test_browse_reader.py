@@ -15,9 +15,9 @@ from scheduler.history import journal_entries, journal_entry, parse_subject
 from scheduler.importer import import_bundle
 from scheduler.reader import NotFound, Reader, parse_generation
 from scheduler.readgit import ReadOnlyGit
-from worker.gitrepo import IDENTITY
-from worker.settings import Settings
-from worker.store import ObservationStore, open_store
+from worker.fleet.settings import Settings
+from worker.instrument.gitrepo import IDENTITY
+from worker.instrument.store import ObservationStore, open_store
 
 
 @pytest.fixture

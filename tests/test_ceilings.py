@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from worker.ceilings import CeilingError, cgroup1, select_ceiling
-from worker.ceilings.base import SCOPE_PARENT, join_command, own_cgroup_dirs
-from worker.ceilings.cgroup1 import CONTROLLERS as V1_CONTROLLERS
-from worker.ceilings.cgroup1 import Cgroup1Ceiling
-from worker.ceilings.cgroup2 import Cgroup2Ceiling
-from worker.ceilings.systemd import SystemdCeiling
-from worker.errors import Refusal
-from worker.physics import Physics
+from worker.instrument.ceilings import CeilingError, cgroup1, select_ceiling
+from worker.instrument.ceilings.base import SCOPE_PARENT, join_command, own_cgroup_dirs
+from worker.instrument.ceilings.cgroup1 import CONTROLLERS as V1_CONTROLLERS
+from worker.instrument.ceilings.cgroup1 import Cgroup1Ceiling
+from worker.instrument.ceilings.cgroup2 import Cgroup2Ceiling
+from worker.instrument.ceilings.systemd import SystemdCeiling
+from worker.instrument.errors import Refusal
+from worker.instrument.physics import Physics
 
 STANDINS = Path(__file__).parent / "standins"
 MINIMAL_ENV = {"PATH": "/usr/bin:/bin"}

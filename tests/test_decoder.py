@@ -27,14 +27,9 @@ from hypothesis import strategies as st
 from lineage_support import Fleet
 from test_pipeline import make_lineage, run_one
 
-from worker.decoder import (
-    KERNEL_OWNED,
-    DecodeLimits,
-    DecoderRejection,
-    TreeEntry,
-    decode_archive,
-)
-from worker.physics import Physics
+from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
+from worker.instrument.names import KERNEL_OWNED
+from worker.instrument.physics import Physics
 
 LIMITS = DecodeLimits(max_bytes=1024 * 1024, max_files=100)
 T = TypeVar("T")

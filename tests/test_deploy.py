@@ -27,7 +27,7 @@ import click
 import pytest
 import yaml
 
-from worker.settings import Settings
+from worker.fleet.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -107,7 +107,7 @@ def test_every_ouroboros_variable_in_the_deployment_is_a_settings_field():
             if name.startswith("OUROBOROS_"):
                 found.setdefault(name, set()).add("docker-compose.yml environment")
     unknown = {name: sorted(where) for name, where in found.items() if name not in known}
-    assert not unknown, f"not fields of worker.settings.Settings: {unknown}"
+    assert not unknown, f"not fields of worker.fleet.settings.Settings: {unknown}"
 
 
 @pytest.mark.parametrize("path", [ENV_EXAMPLE, HOST_ENV], ids=lambda p: p.name)

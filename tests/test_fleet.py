@@ -26,7 +26,7 @@ import pytest
 import redis
 from lineage_support import SMALL_PHYSICS, Fleet, Worker, free_port, seed_file, wait_for
 
-from worker.instrument import PACKAGE_ROOT, package_version
+from worker.instrument.fingerprint import PACKAGE_ROOT, package_version
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
@@ -248,13 +248,14 @@ def test_hand_commit_during_a_generation_discards_the_stale_result(
 
 SEND_TWICE = """
 import sys
-from worker.celery import send_job
-from worker.generation import GenerationJob
-from worker.planner import queue_of
-from worker.assembly import lineage_cache
-from worker.settings import Settings
-from worker.lineage import root_metadata
+from worker.fleet.app import client_app, sender
+from worker.instrument.job import GenerationJob
+from worker.fleet.runs import queue_of
+from worker.fleet.assembly import lineage_cache
+from worker.fleet.settings import Settings
+from worker.instrument.lineage import root_metadata
 cache = lineage_cache(Settings())
+send_job = sender(client_app(Settings()))
 head = cache.fetch(sys.argv[1])
 queue = queue_of(root_metadata(cache, head, sys.argv[1]))
 job = GenerationJob(lineage=sys.argv[1], expected_commit=head, provider="scripted")
@@ -369,7 +370,9 @@ def _pings(client: redis.Redis) -> bool:
 MALFORMED = """
 import sys
 from kombu import Connection, Exchange, Producer
-from worker.celery import app, send_job, GENERATION_TASK
+from worker.fleet.app import GENERATION_TASK, client_app
+from worker.fleet.settings import Settings
+app = client_app(Settings())
 queue = sys.argv[1]
 hostile = [
     {"lineage": "../../etc", "expected_commit": "0" * 40, "provider": "scripted"},
@@ -451,10 +454,18 @@ def test_cancel_stops_a_run_after_the_generation_in_flight(
 
 IMMUTABLE_CHECK = """
 import os, sys
-from worker.instrument import WORKER_MODULES, current
+from pathlib import Path
+import worker
+from worker.instrument.fingerprint import current
 instrument = current()
-missing = [name for name in WORKER_MODULES if name not in sys.modules]
-assert not missing, missing
+root = Path(worker.__file__).parent
+on_disk = [
+    ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+    for folder in ("instrument", "fleet")
+    for path in (root / folder).rglob("*.py")
+]
+missing = [name for name in on_disk if name not in sys.modules]
+assert len(on_disk) > 30 and not missing, missing
 assert sys.dont_write_bytecode is True
 assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"
 assert set(instrument.scripts) == {"stage.sh"} and instrument.seed.startswith(b";;;")

@@ -2,20 +2,25 @@
 
 The committed ``journal.md`` reaches a person through ``git log -p`` and the web UI, so
 the stderr lines it carries hold no raw control, bidi or separator character; the
-full, exact stderr stays in the observation.
+full, exact stderr stays in the observation. Rendered by a CommonMark renderer
+(markdown-it, as GitHub and GitLab render it), no stderr line closes the fence early or
+shows as a heading, and the kernel's own reader still reads every entry back.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from lineage_support import Fleet
+from markdown_it import MarkdownIt
 from test_pipeline import make_lineage, run_one
 
-from worker import journal
+from scheduler.history import journal_entries
+from worker.instrument import journal
 
 WHEN = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -72,13 +77,107 @@ def test_escaping_cannot_make_or_hide_a_heading_or_a_fence() -> None:
     assert fenced("\n".join(lines)) == [
         "\\x1b[0m## gen 9 — changed",
         " ## gen 9 — forged",
-        " ~~~",
+        "    ~~~",
         "\\u202e~~~",
     ]
 
 
 def test_an_empty_stderr_gives_empty_fences() -> None:
     assert fenced("") == fenced("\n \n") == []
+
+
+# --- rendered as Markdown: one heading per kernel entry, the organism's text as code --------
+
+FORGED_HEADING = "## gen 2 — changed — 2026-12-01T09:30:00+00:00"
+FORGING = [
+    "innocent line",
+    "~~~",
+    FORGED_HEADING,
+    "gen 2: changed (organism +1/-0; 1 paths)",
+    "~~~ ",
+    "resume",
+]
+FENCES = ["~~~", "~~~~", "~~~~~~~~", "```", "````"]
+INDENTS = ["", " ", "  ", "   "]
+
+
+def forging(indent: str, fence: str) -> str:
+    """The forging stderr, every line indented by ``indent``, its fences made of ``fence``."""
+    return "\n".join(indent + line.replace("~~~", fence) for line in FORGING) + "\n"
+
+
+def journal_with(stderr: str) -> str:
+    """A journal of three kernel entries; the second is a death with ``stderr``."""
+    text = b""
+    for entry in (
+        journal.entry_changed(1, "organism +1/-0; 1 paths", WHEN),
+        journal.entry_died(2, 255, stderr, WHEN),
+        journal.entry_no_change(3, WHEN),
+    ):
+        text = journal.append(text, entry)
+    return text.decode()
+
+
+def outside_code(html: str) -> str:
+    return re.sub(r"<code[^>]*>.*?</code>", "", html, flags=re.DOTALL)
+
+
+def headings(html: str) -> list[str]:
+    return re.findall(r"<h2>(.*?)</h2>", html, flags=re.DOTALL)
+
+
+KERNEL_HEADINGS = [
+    "gen 1 — changed — organism +1/-0; 1 paths — 2024-05-01T12:00:00+00:00",
+    "gen 2 — died — 2024-05-01T12:00:00+00:00",
+    "gen 3 — no-change — 2024-05-01T12:00:00+00:00",
+]
+
+
+@pytest.mark.parametrize("preset", ["commonmark", "default"])
+@pytest.mark.parametrize("fence", FENCES)
+@pytest.mark.parametrize("indent", INDENTS, ids=lambda indent: f"indent{len(indent)}")
+def test_rendered_stderr_stays_one_code_block_and_forges_no_heading(
+    preset: str, fence: str, indent: str
+) -> None:
+    html = MarkdownIt(preset).render(journal_with(forging(indent, fence)))
+    assert headings(html) == KERNEL_HEADINGS, html
+    assert html.count("<pre>") == 1, html
+    code = re.findall(r"<pre><code[^>]*>(.*?)</code></pre>", html, flags=re.DOTALL)
+    assert len(code) == 1, html
+    # The last five lines, all of them inside the one block.
+    for line in ["~~~", "gen 2 — changed — 2026-12-01", "gen 2: changed", "resume"]:
+        assert line.replace("~~~", fence) in code[0], html
+    rest = outside_code(html)
+    for text in ["gen 2 — changed — 2026", "gen 2: changed", "resume", "innocent", fence]:
+        assert text not in rest, html
+
+
+@pytest.mark.parametrize("fence", FENCES)
+@pytest.mark.parametrize("indent", INDENTS, ids=lambda indent: f"indent{len(indent)}")
+def test_the_kernels_reader_reads_the_entries_of_a_forging_stderr(fence: str, indent: str) -> None:
+    stderr = forging(indent, fence)
+    entries = journal_entries(journal_with(stderr))
+    assert [(n, e.words, e.exit_status) for n, e in sorted(entries.items())] == [
+        (1, "changed — organism +1/-0; 1 paths", None),
+        (2, "died", 255),
+        (3, "no-change", None),
+    ]
+    assert entries[2].stderr_lines == fenced(stderr)
+    # Only a line that CommonMark could take for the fence's end changes, and visibly.
+    for written, line in zip(fenced(stderr), stderr.splitlines()[-5:], strict=True):
+        assert written.strip() == line.strip()
+
+
+def test_an_old_journal_is_still_read_entry_by_entry() -> None:
+    old = (
+        "## gen 1 — died — 2024-05-01T12:00:00+00:00\nexit 3\n~~~\nboom\n ~~~\n"
+        " ## gen 9 — forged\n~~~\n"
+    )
+    text = journal.append(old.encode(), journal.entry_died(2, 9, "~~~\nbang", WHEN)).decode()
+    entries = journal_entries(text)
+    assert sorted(entries) == [1, 2]
+    assert entries[1].stderr_lines == ["boom", " ~~~", " ## gen 9 — forged"]
+    assert (entries[2].exit_status, entries[2].stderr_lines) == (9, ["    ~~~", "bang"])
 
 
 @pytest.mark.bwrap

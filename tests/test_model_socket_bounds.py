@@ -22,23 +22,19 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from test_broker_server import CONTEXT, PRICES, DoubleProvider, request
+from test_model_server import CONTEXT, PRICES, DoubleProvider, request
 
-from worker.broker import (
-    GenerationContext,
-    ModelBroker,
-    Provider,
-    ProviderReply,
-    capabilities,
-)
-from worker.broker import server as model_socket
-from worker.broker.server import (
+from worker.instrument.model import server as model_socket
+from worker.instrument.model.providers import GenerationContext, Provider, ProviderReply
+from worker.instrument.model.server import (
     ANSWER_SECONDS,
     MAX_CONNECTIONS,
     MAX_HEAD_BYTES,
     REQUEST_SECONDS,
+    ModelSocket,
+    capabilities,
 )
-from worker.physics import Physics
+from worker.instrument.physics import Physics
 
 CALL = b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 2\r\n\r\nhi"
 HALF_REQUEST_LINE = b"POST /gener"
@@ -47,7 +43,7 @@ FLOOD_BLOATED = 40
 FLOOD_SOCKETS = FLOOD_IDLE + FLOOD_BLOATED + 64
 WAIT_SECONDS = 10
 
-Serve = Callable[..., ModelBroker]
+Serve = Callable[..., ModelSocket]
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +61,8 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
     """Start a broker on tmp_path/model.sock; stopped at teardown."""
     with contextlib.ExitStack() as stack:
 
-        def start(provider: Provider, physics: Physics | None = None) -> ModelBroker:
-            broker = ModelBroker(tmp_path / "model.sock", provider, physics or Physics(), CONTEXT)
+        def start(provider: Provider, physics: Physics | None = None) -> ModelSocket:
+            broker = ModelSocket(tmp_path / "model.sock", provider, physics or Physics(), CONTEXT)
             return stack.enter_context(broker)
 
         yield start
@@ -230,7 +226,7 @@ def test_leaving_the_broker_closes_every_connection_at_once_and_answers_a_waitin
     tmp_path: Path,
 ) -> None:
     provider = DoubleProvider(delay_seconds=2)
-    with ModelBroker(tmp_path / "model.sock", provider, Physics(), CONTEXT) as broker:
+    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as broker:
         waiting = connect(broker.socket_path)
         waiting.sendall(CALL)
         idle = hold(broker.socket_path, MAX_CONNECTIONS - 1)
@@ -271,7 +267,7 @@ def test_calls_abandoned_at_their_deadline_hold_at_most_the_cap_in_threads_and_a
     physics = Physics(model_timeout_seconds=1, budget_usd=Decimal(10))
     # A context of its own names this broker's model threads apart from other tests'.
     context = GenerationContext(lineage="stuck", generation=1, organism_source="")
-    with ModelBroker(tmp_path / "model.sock", provider, physics, context) as broker:
+    with ModelSocket(tmp_path / "model.sock", provider, physics, context) as broker:
         stuck = hold(broker.socket_path, MAX_CONNECTIONS, CALL)
         abandoned = [status_of(read_until_closed(client)) for client in stuck]
         queued, _, _ = request(broker)  # every model thread still waits on an abandoned call
@@ -332,8 +328,39 @@ def test_the_manifest_discloses_every_limit_the_socket_enforces() -> None:
         "request_seconds": REQUEST_SECONDS,
         "answer_seconds": ANSWER_SECONDS,
         "requests_per_connection": 1,
+        "calls_per_generation": model_socket.MAX_CALLS,
+        "audited_text_bytes": model_socket.AUDIT_TEXT_BYTES,
     }
     assert all(limit["beyond"] for limit in limits.values())
+
+
+def test_calls_past_the_generations_call_limit_are_refused_429_counted_and_never_sent(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_socket, "MAX_CALLS", 3)
+    provider = DoubleProvider()
+    broker = serve(provider)
+    statuses = [request(broker)[0] for _ in range(5)]
+    assert statuses == [200, 200, 200, 429, 429]
+    assert len(broker.calls) == 3 and broker.calls_over_limit == 2
+    assert len(provider.asked) == 3
+
+
+def test_past_the_audited_text_cap_calls_keep_sizes_hashes_and_cost_but_not_their_text(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Room for the first call's prompt and answer, not for the second's.
+    monkeypatch.setattr(model_socket, "AUDIT_TEXT_BYTES", 100)
+    broker = serve(DoubleProvider())
+    prompt = b"p" * 60
+    assert request(broker, prompt)[0] == 200
+    assert request(broker, prompt)[0] == 200
+    first, second = broker.calls
+    assert (first.text_omitted, first.prompt) == (False, prompt.decode())
+    assert (second.text_omitted, second.prompt, second.response) == (True, "", None)
+    assert second.prompt_bytes == len(prompt) and second.prompt_sha256 == first.prompt_sha256
+    assert second.response_sha256 == first.response_sha256
+    assert second.cost_usd == first.cost_usd > 0
 
 
 # --- a flood, against a broker in a process of its own -----------------------------------
@@ -343,9 +370,10 @@ import sys, time
 from decimal import Decimal
 from pathlib import Path
 
-from worker.broker import GenerationContext, ModelBroker, Provider, ProviderReply
-from worker.broker.prices import Prices
-from worker.physics import Physics
+from worker.instrument.model.providers import GenerationContext, Provider, ProviderReply
+from worker.instrument.model.server import ModelSocket
+from worker.instrument.model.prices import Prices
+from worker.instrument.physics import Physics
 
 
 class Echo(Provider):
@@ -357,7 +385,7 @@ class Echo(Provider):
 
 prices = Prices(input_usd_per_mtok=Decimal(1), output_usd_per_mtok=Decimal(1))
 context = GenerationContext(lineage="flooded", generation=1, organism_source="")
-with ModelBroker(Path(sys.argv[1]), Echo("echo", prices), Physics(), context):
+with ModelSocket(Path(sys.argv[1]), Echo("echo", prices), Physics(), context):
     print("serving", flush=True)
     sys.stdin.readline()
     started = time.monotonic()

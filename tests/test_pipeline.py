@@ -20,8 +20,11 @@ from pathlib import Path
 import pytest
 from lineage_support import SMALL_PHYSICS, Fleet, seed_file
 
-from worker.instrument import PACKAGE_ROOT
-from worker.sandbox import KERNEL_PREFIX, OWNER_SUFFIX
+from scheduler.reader import open_reader
+from worker.fleet import embedded_redis
+from worker.fleet.settings import Settings
+from worker.instrument.fingerprint import PACKAGE_ROOT
+from worker.instrument.sandbox import KERNEL_PREFIX, OWNER_SUFFIX
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -301,6 +304,25 @@ def test_numbering_counts_gen_subjects_not_history_positions(fleet: Fleet) -> No
         "seed",
     ]
     assert fleet.observation("counted", 2)["generation"] == 2
+
+
+def test_a_hand_commit_titled_gen_notes_is_no_generation_for_writer_or_readers(
+    fleet: Fleet,
+) -> None:
+    make_lineage(fleet, "noted", '(message "alive")\n')
+    run_one(fleet, "noted")
+    push_hand_commit(fleet, "noted", {"notes.txt": "by hand\n"}, "gen notes")
+    run_one(fleet, "noted")
+    assert fleet.subjects("noted")[:2] == ["gen 2: no-change", "gen notes"]
+    assert fleet.observation("noted", 2)["generation"] == 2
+    # The scheduler's status and the browser's reader use the same rule as the writer.
+    try:
+        (status,) = json.loads(fleet.ok("status", "noted", "--json").stdout)
+    finally:
+        embedded_redis.stop(Settings(home=fleet.home / ".ouroboros"))
+    assert status["generation"] == 2
+    summary = open_reader(Settings(home=fleet.home / ".ouroboros")).lineage("noted").summary
+    assert (summary.generations, summary.out_of_loop) == (2, 2)  # the seed and the hand commit
 
 
 def push_hand_commit(fleet: Fleet, lineage: str, files: dict[str, str], subject: str) -> None:

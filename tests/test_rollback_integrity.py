@@ -4,7 +4,11 @@ A life that exits 0 after making organism.el a symlink, deleting it or making it
 directory is a decoder_rejection death, and organism.el stays a regular 100644 file
 holding the body that lived. A lineage recorded before that rule, whose parent holds
 organism.el as a symlink, a directory, an executable or not at all, is repaired by its
-next death. Lives run on real bwrap, Emacs, git and cgroups; the history walk of
+next death. A file beside the body (organism.el.elc, organism.el.el) is never loaded in
+its place. Every tree a death or a life leaves unpacks into the next life's /work: a
+body put back where the parent's other files leave it no room comes back with the files
+it lived with, and a tree the stage cannot unpack is never given to life after life.
+Lives run on real bwrap, Emacs, git and cgroups; the history walk of
 ``LineageCache.body_before`` is also checked on histories built with git plumbing.
 """
 
@@ -16,9 +20,9 @@ import pytest
 from lineage_support import Fleet
 from test_pipeline import make_lineage, push_hand_commit, run_one
 
-from worker.gitrepo import Entry, LineageCache
-from worker.journal import DEATH_SUBJECT
-from worker.lineage import ORGANISM_PATH
+from worker.instrument.gitrepo import PAGE_BYTES, Entry, LineageCache, footprint
+from worker.instrument.journal import DEATH_SUBJECT
+from worker.instrument.names import ORGANISM_PATH
 
 GOOD = '(message "alive")\n'
 REJECTED = ": a result must hold the body the next life loads as a regular file"
@@ -81,6 +85,41 @@ def test_a_life_that_unmakes_its_body_dies_and_the_body_that_lived_stays(
     assert organism_at_head(fleet, "trickster") == ("100644", lived)
     assert "real.el" not in fleet.files("trickster")
     assert_next_life_is_ordinary(fleet, "trickster")
+
+
+# --- a file beside the body is never loaded in its place ---------------------------------
+
+# Each would be loaded instead of organism.el by `emacs -l /work/organism.el`, and each
+# kills the life that loads it. Contents are Emacs Lisp string literals.
+SHADOWS = {
+    "organism.el.elc": ";ELC\\034\\0\\0\\0\\n(kill-emacs 7)\\n",
+    "organism.el.el": "(kill-emacs 8)\\n",
+    "organism.el.el.gz": "not gzip at all\\n",
+}
+SHADOWING = (
+    # Raw bytes, never compressed by jka-compr on the way out.
+    "(let ((coding-system-for-write 'no-conversion) (file-name-handler-alist nil))\n"
+    + "".join(f'  (write-region "{text}" nil "/work/{name}")\n' for name, text in SHADOWS.items())
+    + ")\n"
+    + '(message "organism.el ran")\n'
+)
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_shadow_beside_the_body_is_an_ordinary_file_never_loaded(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "shadowed", SHADOWING)
+    run_one(fleet, "shadowed")
+    assert fleet.subjects("shadowed")[0] == "gen 1: changed (organism unchanged; 3 other paths)"
+    assert set(SHADOWS) <= set(fleet.files("shadowed"))
+    assert fleet.show("shadowed", "organism.el.el") == SHADOWS["organism.el.el"].replace(
+        "\\n", "\n"
+    )
+    # The next life loads organism.el, which writes the same shadows again: no change.
+    assert_next_life_is_ordinary(fleet, "shadowed")
+    assert "organism.el ran" in str(fleet.observation("shadowed", 2)["stderr"])
 
 
 # --- a death repairs a lineage recorded before the rule ---------------------------------
@@ -224,3 +263,152 @@ def test_without_any_earlier_regular_body_the_seed_is_the_answer(cache: LineageC
     assert body_before(cache, history(cache, SEED, linked)) == b"(seed)\n"
     # Only a root that holds no regular organism.el (no lineage init made) has none.
     assert body_before(cache, history(cache, ("seed", "120000", b"elsewhere.el"))) is None
+
+
+# --- every tree a death or a life leaves unpacks into the next life's /work ---------------
+
+SMALL_WORK = ["--work-bytes", "8M"]
+# Gen 1 pads this body to ~5 MB; gen 2 swaps it for a small lethal body and a ~5 MB file;
+# gen 3 dies. The padded body put back beside that file would need ~10 MB of an 8 MB
+# /work; it comes back with the tree it lived in instead, and runs again.
+HOARDER = r"""
+(let ((generation (with-temp-buffer
+                    (insert-file-contents "/kernel/lineage.json")
+                    (re-search-forward "\"generation\": \\([0-9]+\\)")
+                    (string-to-number (match-string 1)))))
+  (cond
+   ((= generation 1)
+    (let ((self (with-temp-buffer (insert-file-contents "/work/organism.el") (buffer-string))))
+      (with-temp-file "/work/organism.el"
+        (insert self)
+        (dotimes (_ 5000) (insert ";" (make-string 999 ?p) "\n")))))
+   ((= generation 2)
+    (with-temp-file "/work/organism.el" (insert "(kill-emacs 1)\n"))
+    (with-temp-file "/work/big.bin" (insert (make-string 5000000 ?b))))
+   (t (message "generation %d: the padded body runs" generation))))
+"""
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_body_without_room_beside_the_parents_files_comes_back_with_its_own(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "hoarder", HOARDER, *SMALL_WORK)
+    for _ in range(3):
+        run_one(fleet, "hoarder")
+    third, second, first = fleet.subjects("hoarder")[:3]
+    assert third == "gen 3: died (exit 1); staged writes discarded"
+    assert second.startswith("gen 2: changed (organism +1/-") and second.endswith("; 2 paths)")
+    assert first == "gen 1: changed (organism +5000/-0; 1 paths)"
+    padded = fleet.show("hoarder", ORGANISM_PATH, "~2")
+    assert len(padded) > 5_000_000
+    # The rollback restores the tree the padded body lived in: big.bin goes with gen 2.
+    assert organism_at_head(fleet, "hoarder") == ("100644", padded)
+    assert sorted(fleet.files("hoarder")) == [
+        ".ouroboros-lineage.json",
+        "journal.md",
+        ORGANISM_PATH,
+    ]
+    assert "## gen 3 — died — " in fleet.show("hoarder", "journal.md")
+    run_one(fleet, "hoarder")
+    assert fleet.subjects("hoarder")[0] == "gen 4: no-change"
+    observation = fleet.observation("hoarder", 4)
+    assert (observation["outcome"], observation["exit_status"]) == ("no-change", 0)
+    assert "generation 4: the padded body runs" in str(observation["stderr"])
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_tree_the_stage_cannot_unpack_kills_one_life_not_every_life(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "unpackable", GOOD)
+    # A hand commit adds a name no file system takes (a component over 255 bytes): git
+    # stores it, tar cannot create it, so the stage exits 70 before the organism runs.
+    cache = LineageCache(fleet.repo, str(fleet.repo))
+    ref = "refs/heads/lineage-unpackable"
+    head = cache.rev(ref)
+    tree = cache.tree(head)
+    tree[f"notes/{'n' * 300}"] = Entry("100644", cache.hash_bytes(b"unreachable\n"))
+    fleet.git("update-ref", ref, cache.commit(head, tree, "external edit: a long name"), head)
+    run_one(fleet, "unpackable")
+    assert fleet.subjects("unpackable")[0] == "gen 1: died (exit 70); staged writes discarded"
+    assert fleet.observation("unpackable", 1)["outcome"] == "process_exit"
+    assert "stage: cannot unpack /kernel/base.tar" in fleet.show("unpackable", "journal.md")
+    # Not the tree it could not start from: the seed's, where the body last lived.
+    assert not any(path.startswith("notes/") for path in fleet.files("unpackable"))
+    assert_next_life_is_ordinary(fleet, "unpackable")
+
+
+# Files of 4,097 bytes written sparse (one page each in /work) unpack dense (two pages).
+SPARSE = (
+    '(make-directory "/work/sparse")\n'
+    '(dotimes (i 1100) (write-region "x" nil (format "/work/sparse/%04d" i) 4096))\n'
+)
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_result_that_would_not_unpack_dense_is_refused(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "sparse", GOOD, *SMALL_WORK)
+    seed = fleet.show("sparse", ORGANISM_PATH)
+    push_hand_commit(fleet, "sparse", {ORGANISM_PATH: seed + SPARSE}, "external edit: sparse")
+    run_one(fleet, "sparse")
+    assert fleet.subjects("sparse")[0] == "gen 1: died (exit 0); staged writes discarded"
+    observation = fleet.observation("sparse", 1)
+    assert observation["outcome"] == "decoder_rejection"
+    reason = str(observation["rejection_reason"])
+    assert reason.startswith("the tree would take ") and reason.endswith(
+        f"more than the work_bytes limit {8 * 1024**2}"
+    )
+    assert not any(path.startswith("sparse/") for path in fleet.files("sparse"))
+    assert organism_at_head(fleet, "sparse") == ("100644", seed)
+    assert_next_life_is_ordinary(fleet, "sparse")
+
+
+# --- the footprint of a tree and where a body lived, on git plumbing -----------------------
+
+
+def test_the_footprint_counts_whole_pages_and_what_the_decoder_counts() -> None:
+    page = PAGE_BYTES
+    found = footprint(
+        [
+            ("organism.el", "100644", 1),
+            ("a/b/data.bin", "100755", page + 1),
+            ("a/link", "120000", 9),
+            ("empty", "100644", 0),
+            ("module", "160000", 0),
+        ]
+    )
+    # Pages: 1 + 2 + 0 for the files, 1 for the symlink, 2 for the directories a, a/b.
+    assert found == (4, page + 2, 6 * page)
+    assert found.fits(6 * page, 4)
+    assert not found.fits(6 * page - 1, 4)
+    assert not found.fits(6 * page, 3)
+
+
+def test_the_body_put_back_knows_the_tree_it_lived_in(cache: LineageCache) -> None:
+    first = ("gen 1: changed (organism +1/-1; 1 paths)", "100644", b"(first)\n")
+    second = ("gen 2: changed (organism +1/-1; 1 paths)", "100644", b"(second)\n")
+    head = history(cache, SEED, first, second)
+    body = cache.last_body(head, ORGANISM_PATH, DEATH_SUBJECT)
+    assert body is not None
+    assert (body.data, body.lived_in) == (b"(first)\n", cache.rev(f"{head}~1"))
+    assert cache.read_blob(body.lived_in, ORGANISM_PATH) == b"(first)\n"
+    # The seed body lived in the root.
+    seed = cache.last_body(history(cache, SEED, first), ORGANISM_PATH, DEATH_SUBJECT)
+    assert seed is not None
+    assert seed.data == b"(seed)\n"
+    assert seed.lived_in == cache.root_of(seed.lived_in)
+    # Passing over a symlink, the body is the last regular one and its tree the one before.
+    linked = ("gen 3: changed (organism +1/-1; 1 paths)", "120000", b"gone")
+    died = ("gen 4: died (exit 255); staged writes discarded", "120000", b"(second)\n")
+    head = history(cache, SEED, first, second, linked, died)
+    body = cache.last_body(head, ORGANISM_PATH, DEATH_SUBJECT)
+    assert body is not None
+    assert (body.data, body.lived_in) == (b"(second)\n", cache.rev(f"{head}~2"))

@@ -27,20 +27,20 @@ from test_ceilings import (  # noqa: F401  (fixtures, used by name)
     standins_fixture,
 )
 
-from worker.ceilings import Ceiling, Figures, select_ceiling
-from worker.ceilings.cgroup1 import Cgroup1Ceiling, Cgroup1Enclosure
-from worker.ceilings.systemd import SystemdCeiling
-from worker.errors import Refusal
-from worker.identity import IdentityPool, SandboxIdentity
-from worker.physics import Physics
-from worker.sandbox import (
+from worker.fleet.settings import Settings
+from worker.instrument.ceilings import Ceiling, Figures, select_ceiling
+from worker.instrument.ceilings.cgroup1 import Cgroup1Ceiling, Cgroup1Enclosure
+from worker.instrument.ceilings.systemd import SystemdCeiling
+from worker.instrument.errors import Refusal
+from worker.instrument.identity import IdentityPool, SandboxIdentity
+from worker.instrument.physics import Physics
+from worker.instrument.sandbox import (
     SandboxResult,
     bwrap_argv,
     kernel_directory,
     resolve_emacs,
     run_sandbox,
 )
-from worker.settings import Settings
 
 STAGE = Path(__file__).resolve().parent.parent / "sandbox_scripts" / "stage.sh"
 SECRET = "sk-ouroboros-test-secret-never-inside"

@@ -32,12 +32,12 @@ import pytest
 from test_ceilings import label_fixture  # noqa: F401  (a fixture, used by name)
 from test_sandbox import SMALL, kernel_dir, kernel_files
 
-from worker.ceilings import select_ceiling
-from worker.ceilings.base import join_command, own_cgroup_dirs
-from worker.ceilings.cgroup1 import CONTROLLERS
-from worker.identity import IdentityPool, SandboxIdentity
-from worker.sandbox import resolve_emacs, run_sandbox
-from worker.settings import Settings
+from worker.fleet.settings import Settings
+from worker.instrument.ceilings import select_ceiling
+from worker.instrument.ceilings.base import join_command, own_cgroup_dirs
+from worker.instrument.ceilings.cgroup1 import CONTROLLERS
+from worker.instrument.identity import IdentityPool, SandboxIdentity
+from worker.instrument.sandbox import resolve_emacs, run_sandbox
 
 pytestmark = [pytest.mark.root, pytest.mark.bwrap, pytest.mark.cgroups]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from lineage_support import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
 
-from worker.assembly import build_pipeline
-from worker.generation import GenerationJob
-from worker.observation import Observation
-from worker.settings import Settings
+from worker.fleet.assembly import build_pipeline
+from worker.fleet.settings import Settings
+from worker.instrument.job import GenerationJob
+from worker.instrument.records import Observation
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 

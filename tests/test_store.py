@@ -18,10 +18,10 @@ from pathlib import Path
 import boto3
 import pytest
 
-from worker.errors import Refusal
-from worker.observation import generation_key, metadata_key, run_key
-from worker.settings import Settings
-from worker.store import FileStore, ObservationStore, StoreUnavailable, open_store
+from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal
+from worker.instrument.keys import generation_key, metadata_key, run_key
+from worker.instrument.store import FileStore, ObservationStore, StoreUnavailable, open_store
 
 
 def test_put_once_writes_once_and_leaves_the_first_object(

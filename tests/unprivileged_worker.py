@@ -15,10 +15,10 @@ import json
 import sys
 import tarfile
 
-from worker.ceilings import select_ceiling
-from worker.identity import IdentityPool
-from worker.physics import Physics
-from worker.sandbox import kernel_directory, resolve_emacs, run_sandbox
+from worker.instrument.ceilings import select_ceiling
+from worker.instrument.identity import IdentityPool
+from worker.instrument.physics import Physics
+from worker.instrument.sandbox import kernel_directory, resolve_emacs, run_sandbox
 
 
 def main() -> None:

@@ -1,4 +1,7 @@
-"""The trusted instrument of the Ouroboros fleet (``celery -A worker worker``).
+"""What a sandbox host runs (``celery -A worker worker``): the instrument and the plumbing.
+
+``worker/instrument/`` is the trusted instrument, fingerprinted by being in that
+folder; ``worker/fleet/`` is the fleet plumbing, loaded eagerly but not fingerprinted.
 
 Importing the package switches off bytecode writing first, so no worker module is
 ever compiled to disk. Python compiles this ``__init__`` before its first line runs,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request
 
-from scheduler.browse import CompareView, FamilyView, GenerationView, LineageView, Overview
 from scheduler.reader import DEFAULT_PER_PAGE, MAX_PER_PAGE, parse_generation
+from scheduler.views import CompareView, FamilyView, GenerationView, LineageView, Overview
 from scheduler.web.deps import overview, reader_of, seed_sha
 
 router = APIRouter(prefix="/api", tags=["api"])

@@ -25,8 +25,8 @@ from scheduler.reader import NotFound, Reader
 from scheduler.web import api, pages
 from scheduler.web.render import templates
 from scheduler.web.workers import WorkersProvider, live_workers, remembered
-from worker.instrument import package_version
-from worker.store import StoreUnavailable
+from worker.instrument.fingerprint import package_version
+from worker.instrument.store import StoreUnavailable
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from scheduler.browse import Series
+from scheduler.views import Series
 
 WIDTH = 640
 HEIGHT = 180

@@ -11,8 +11,8 @@ import re
 
 from fastapi import Request
 
-from scheduler.browse import Overview
 from scheduler.reader import NotFound, Reader
+from scheduler.views import Overview
 
 _SEED_SHA = re.compile(r"^[0-9a-f]{64}$")
 

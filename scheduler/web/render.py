@@ -14,7 +14,7 @@ from decimal import Decimal
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from starlette.templating import Jinja2Templates
 
-from scheduler.browse import is_death
+from scheduler.views import is_death
 from scheduler.web.charts import chart
 
 

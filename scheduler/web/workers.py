@@ -4,12 +4,13 @@ Owns the optional provider the overview calls: which workers are alive and which
 queues they serve (a generation queue is ``gen.<fingerprint12>``, one per
 instrument). Browsing must never hang on the broker or fail because of it, so the
 provider runs the inspection in a daemon thread with a short deadline, answers []
-on any error or timeout, answers None when this installation has no Celery app at
-all (shown as "no broker"), and remembers its answer for a few seconds so that a
-dead broker costs one timeout per interval, not one per page view.
+on any error or timeout, answers None when no Celery app can be built (settings
+that do not validate; shown as "no broker"), and remembers its answer for a few
+seconds so that a dead broker costs one timeout per interval, not one per page view.
 
-Trusts: the Celery app of ``worker.celery`` (imported lazily: the web UI runs where
-no worker code or broker exists) and the shape of its replies only after checking.
+Trusts: a client Celery app (``worker.fleet.app.client_app``: it loads no worker
+instrument, so the web UI runs where no sandbox could) and the shape of its replies
+only after checking.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from scheduler.browse import LiveWorker
+from scheduler.views import LiveWorker
+from worker.fleet.app import client_app
+from worker.fleet.settings import Settings
 
 WorkersProvider = Callable[[], list[LiveWorker] | None]
 INSPECT_TIMEOUT_SECONDS = 1.0
@@ -28,8 +31,8 @@ REMEMBER_SECONDS = 10.0
 def live_workers(timeout: float = INSPECT_TIMEOUT_SECONDS) -> list[LiveWorker] | None:
     """Workers that answered within ``timeout``; None if there is no Celery app."""
     try:
-        from worker.celery import app
-    except (Exception, SystemExit):  # the module exits 2 when it refuses its settings
+        app = client_app(Settings())
+    except ValueError:  # settings that do not validate: no broker to ask
         return None
     found: list[LiveWorker] = []
 

@@ -1,0 +1,262 @@
+"""Browsing commands of ``schedule-lineage``: import-bundle, journal, observations, serve.
+
+Owns the command-line face of browsing: arguments, rich tables, ``--json`` output
+(the same view models the JSON API returns) and starting the web server. All
+reading goes through ``scheduler.reader``; importing through
+``scheduler.importer``. Organism-made text is printed as plain text with control
+characters made visible, so neither rich markup nor terminal escape sequences in
+a lineage can act on the reader's terminal.
+
+Imported only when one of these commands runs or its help is asked (see
+``scheduler.cli``); the web stack only when ``serve`` runs.
+
+Trusts: the settings (as ``schedule-lineage`` loads them).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import TypeAdapter
+from rich.table import Table
+from rich.text import Text
+
+from scheduler.cli.common import load_settings
+from scheduler.importer import import_bundle
+from scheduler.output import console
+from scheduler.reader import NotFound, Reader, open_reader, parse_generation
+from scheduler.views import GenerationRow, GenerationView, JournalRow, is_death
+from worker.instrument.errors import Refusal
+from worker.instrument.records import Observation
+from worker.instrument.store import StoreUnavailable
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _reader() -> Reader:
+    return open_reader(load_settings())
+
+
+def _plain(text: str | None, style: str = "") -> Text:
+    """Lineage text as inert terminal output: no markup, control characters escaped."""
+    return Text(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text or ""), style=style)
+
+
+def _json(model: Any, value: object) -> None:
+    """``value`` as JSON of type ``model``: exactly what the JSON API would answer."""
+    click.echo(TypeAdapter(model).dump_json(value, indent=2, by_alias=True).decode())
+
+
+def _outcome_style(outcome: str) -> str:
+    if is_death(outcome):
+        return "bold red"
+    return {"changed": "green", "no-change": "dim", "seed": "blue", "out-of-loop": "blue"}.get(
+        outcome, "yellow"
+    )
+
+
+@contextmanager
+def _refusing() -> Iterator[None]:
+    """Report "not found" and an unreachable store as one-line refusals."""
+    try:
+        yield
+    except (NotFound, StoreUnavailable) as exc:
+        raise Refusal(str(exc)) from None
+
+
+@click.command("import-bundle")
+@click.argument("bundle", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("name")
+def import_bundle_command(bundle: Path, name: str) -> None:
+    """Import the single-branch git BUNDLE as lineage NAME (read-only history, no observations)."""
+    settings = load_settings()
+    head = import_bundle(bundle, name, settings.lineage_repo_url)
+    console.print(
+        f"imported lineage [bold]{name}[/] (branch lineage-{name} at {head[:12]}) into "
+        f"{settings.lineage_repo_url}",
+        highlight=False,
+    )
+
+
+@click.command("journal")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def journal_command(name: str, as_json: bool) -> None:
+    """The history of lineage NAME, oldest first: every commit with its journal entry."""
+    with _refusing():
+        rows = _reader().journal(name)
+    if as_json:
+        _json(list[JournalRow], rows)
+        return
+    table = Table(title=f"lineage {name}: journal", show_lines=False)
+    table.add_column("gen", justify="right", no_wrap=True)
+    table.add_column("outcome", no_wrap=True)
+    table.add_column("when", no_wrap=True)
+    table.add_column("commit", no_wrap=True)
+    table.add_column("subject / journal")
+    for row in rows:
+        commit = row.commit
+        text = _plain(commit.subject, "italic" if commit.generation is None else "")
+        if row.entry and (row.entry.exit_status is not None or row.entry.stderr_lines):
+            text.append("\n")
+            text.append_text(_plain(f"exit {row.entry.exit_status}", "red"))
+            for line in row.entry.stderr_lines:
+                text.append("\n")
+                text.append_text(_plain(line, "dim"))
+        table.add_row(
+            str(commit.generation) if commit.generation is not None else "—",
+            Text(commit.kind, style=_outcome_style(commit.kind)),
+            commit.committed_at.isoformat(timespec="seconds"),
+            commit.sha[:12],
+            text,
+        )
+    console.print(table)
+
+
+@click.command("observations")
+@click.argument("name")
+@click.argument("generation", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def observations_command(name: str, generation: str | None, as_json: bool) -> None:
+    """The observed figures of every generation of NAME, or everything about generation GEN."""
+    reader = _reader()
+    if generation is not None:
+        with _refusing():
+            view = reader.generation(name, parse_generation(generation))
+        if as_json:
+            _json(GenerationView, view)
+        else:
+            _print_generation(view)
+        return
+    with _refusing():
+        rows = reader.observed_rows(name)
+    if as_json:
+        _json(list[GenerationRow], rows)
+        return
+    table = Table(title=f"lineage {name}: observations")
+    for column in ("gen", "outcome", "duration s", "cpu s", "peak MiB", "calls", "cost USD"):
+        table.add_column(column, justify="left" if column == "outcome" else "right")
+    table.add_column("commit")
+    for row in rows:
+        f = row.figures
+        figures = (
+            [
+                f"{f.duration_seconds:.2f}",
+                f"{f.cpu_usage_nsec / 1e9:.2f}" if f.cpu_usage_nsec is not None else "—",
+                f"{f.memory_peak_bytes / 2**20:.1f}" if f.memory_peak_bytes is not None else "—",
+                str(f.model_calls),
+                f"{f.spent_usd:.6f}",
+            ]
+            if f
+            else ["—"] * 5
+        )
+        table.add_row(
+            str(row.commit.generation),
+            Text(row.outcome, style=_outcome_style(row.outcome)),
+            *figures,
+            row.commit.sha[:12],
+        )
+    if not any(row.figures for row in rows):
+        table.caption = "no observation objects: outcomes are the commit subjects'"
+    console.print(table)
+
+
+def _print_generation(view: GenerationView) -> None:
+    row, o = view.row, view.observation
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="dim")
+    facts.add_column()
+    facts.add_row("generation", f"{row.commit.generation} of {view.lineage}")
+    facts.add_row("outcome", Text(row.outcome, style=_outcome_style(row.outcome)))
+    facts.add_row("commit", f"{row.commit.sha} (parent {view.parent or '—'})")
+    facts.add_row("subject", _plain(row.commit.subject))
+    if o is not None:
+        for label, value in _observation_facts(o):
+            facts.add_row(label, _plain(value))
+    else:
+        facts.add_row("observation", "none recorded (imported lineage, or still pending)")
+    console.print(facts)
+    if view.journal:
+        console.rule("journal entry")
+        console.print(_plain(view.journal.text))
+    if o is not None and o.model_calls:
+        calls = Table(title="model calls")
+        for column in ("#", "status", "in tok", "out tok", "cost USD", "seconds", "prompt bytes"):
+            calls.add_column(column, justify="right")
+        for call in o.model_calls:
+            calls.add_row(
+                str(call.index),
+                str(call.status),
+                str(call.input_tokens),
+                str(call.output_tokens),
+                f"{call.cost_usd:.6f}",
+                f"{call.duration_seconds:.2f}",
+                str(len(call.prompt.encode())),
+            )
+        console.print(calls)
+    if o is not None and o.stderr:
+        console.rule("stderr")
+        console.print(_plain(o.stderr))
+
+
+def _observation_facts(o: Observation) -> list[tuple[str, str]]:
+    data = o.model_dump(
+        include={
+            "duration_seconds",
+            "exit_status",
+            "signal",
+            "driver_result",
+            "rejection_reason",
+            "cpu_usage_nsec",
+            "memory_peak_bytes",
+            "oom_kills",
+            "published_files",
+            "published_bytes",
+            "provider",
+            "model",
+            "spent_usd",
+            "run_id",
+        }
+    )
+    provenance = o.model_dump(include={"provenance"})["provenance"]
+    return [(k, str(v)) for k, v in data.items()] + [
+        (f"provenance.{k}", str(v)) for k, v in provenance.items()
+    ]
+
+
+@click.command("serve")
+@click.option("--host", help="Address to bind [OUROBOROS_WEB_HOST, 127.0.0.1].")
+@click.option("--port", type=click.IntRange(1, 65535), help="Port [OUROBOROS_WEB_PORT, 8765].")
+def serve_command(host: str | None, port: int | None) -> None:
+    """Serve the read-only web UI and JSON API (no authentication: see docs/browsing.md)."""
+    import uvicorn
+
+    from scheduler.web.app import create_app
+
+    settings = load_settings()
+    host = host or settings.web_host
+    port = port or settings.web_port
+    app = create_app(open_reader(settings))
+    if not _loopback(host):
+        console.print(
+            f"[yellow]warning:[/] binding {host}: the browser has no authentication; put it "
+            "behind an authenticating reverse proxy (docs/browsing.md)",
+            highlight=False,
+        )
+    console.print(f"serving http://{host}:{port}/ (read-only)", highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,60 @@
+"""What several ``schedule-lineage`` command modules share.
+
+Owns the dollar parameter type, loading the settings as a one-line refusal, and
+printing rows as a rich table or as JSON. Imported only by command modules, so
+only when a command runs; it imports no command module.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING
+
+import click
+from pydantic import BaseModel, ValidationError
+
+from scheduler.output import console
+from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+class Money(click.ParamType):
+    """A finite, non-negative amount of US dollars, as a Decimal."""
+
+    name = "usd"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> Decimal:
+        if isinstance(value, Decimal):
+            return value
+        try:
+            amount = Decimal(str(value).strip())
+        except InvalidOperation:
+            self.fail(f"{value!r} is not an amount of dollars, e.g. 1.50", param, ctx)
+        if not amount.is_finite() or amount < 0:
+            self.fail(f"{value!r} must be a finite amount of dollars, 0 or more", param, ctx)
+        return amount
+
+
+USD = Money()
+
+
+def load_settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = "OUROBOROS_" + str(first["loc"][0]).upper() if first["loc"] else "configuration"
+        raise Refusal(f"{field}: {first['msg']}") from None
+
+
+def emit(rows: list[BaseModel], as_json: bool, table: Table) -> None:
+    if as_json:
+        click.echo(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
+    else:
+        console.print(table)

@@ -1,0 +1,222 @@
+"""Commands that make and drive lineages: ``init``, ``run``, ``cancel``, ``reconcile``.
+
+Imported only when one of them runs (see ``scheduler.cli``); ``run --local`` builds
+the same pipeline the Celery task runs, through ``worker.fleet.assembly``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import click
+import redis
+from kombu.exceptions import OperationalError
+from pydantic import ValidationError
+
+from scheduler.cli.common import USD, load_settings
+from scheduler.follow import describe, watch
+from scheduler.output import console, warn
+from scheduler.status import Fleet
+from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
+from worker.fleet.runs import job_of
+from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal, StaleJob
+from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
+from worker.instrument.gitrepo import GitError
+from worker.instrument.job import GenerationJob
+from worker.instrument.lineage import check_name, create_lineage, read_seed, root_metadata
+from worker.instrument.model.catalogue import require_known
+from worker.instrument.model.providers import make_provider
+from worker.instrument.physics import Physics
+from worker.instrument.store import StoreUnavailable
+
+
+def physics_from(options: dict[str, object]) -> Physics:
+    given = {key: value for key, value in options.items() if value is not None}
+    try:
+        return Physics(**given)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = first["loc"][0] if first["loc"] else ""
+        option = f"--{str(where).replace('_', '-')}: " if where else ""
+        raise Refusal(f"{option}{first['msg']}") from None
+
+
+@click.command()
+@click.argument("name")
+@click.option("--seed", type=click.Path(path_type=Path), help="Seed organism (default: canonical).")
+@click.option("--wall", "wall_seconds", type=int, help="Wall seconds per life [600].")
+@click.option("--cpu-seconds", type=int, help="Aggregate CPU seconds per life [120].")
+@click.option("--memory-max", "memory_max_bytes", help="Memory ceiling, e.g. 1G [1G].")
+@click.option("--memory-swap-max", "memory_swap_max_bytes", help="Swap ceiling [0].")
+@click.option("--tasks-max", type=int, help="Task (process/thread) ceiling [64].")
+@click.option("--work-bytes", help="Size of /work [256M].")
+@click.option("--work-files", type=int, help="Files published from /work [10000].")
+@click.option("--tmp-bytes", help="Size of /tmp [64M].")
+@click.option("--run-bytes", help="Size of /run [16M].")
+@click.option("--max-prompt-bytes", type=int, help="Largest prompt [196608].")
+@click.option("--max-output-tokens", type=int, help="Largest reply in tokens [12000].")
+@click.option("--model-timeout", "model_timeout_seconds", type=int, help="Model timeout s [600].")
+@click.option("--budget-usd", type=USD, help="Spending budget per generation [1.00].")
+def init(name: str, seed: Path | None, **physics_options: object) -> None:
+    """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics."""
+    settings = load_settings()
+    physics = physics_from(physics_options)
+    instrument = current()
+    commit = instrument_commit(settings.instrument_commit)
+    repository, ref = instrument_provenance()
+    meta = create_lineage(
+        name=name,
+        seed=read_seed(seed) if seed else instrument.seed,
+        physics=physics,
+        instrument=instrument,
+        commit=commit,
+        repository=repository,
+        ref=ref,
+        repo_url=settings.lineage_repo_url,
+        cache=lineage_cache(settings, "scheduler"),
+        store=observation_store(settings),
+    )
+    console.print(
+        f"created lineage [bold]{meta.name}[/] (branch lineage-{meta.name}) in "
+        f"{settings.lineage_repo_url}; instrument {meta.instrument_fingerprint[:12]}"
+    )
+
+
+@click.command()
+@click.argument("names", nargs=-1, required=True)
+@click.option(
+    "--generations",
+    type=click.IntRange(1, 1_000_000),
+    required=True,
+    help="How many more generations each lineage should live.",
+)
+@click.option("--local", is_flag=True, help="Run in this process, without a broker.")
+@click.option("--provider", help="Model provider [OUROBOROS_MODEL_PROVIDER].")
+@click.option("--model", help="Model name [OUROBOROS_MODEL_NAME].")
+@click.option(
+    "--budget-usd", type=USD, help="Total budget of the run [per-generation budget times N]."
+)
+@click.option(
+    "--ceiling",
+    type=click.Choice(["auto", "systemd", "cgroup2", "cgroup1"]),
+    help="Resource ceiling driver for --local [OUROBOROS_CEILING].",
+)
+@click.option("--follow", is_flag=True, help="Show live progress until the runs stop.")
+@click.option("--wait", is_flag=True, help="Wait quietly until the runs stop.")
+def run(
+    names: tuple[str, ...],
+    generations: int,
+    local: bool,
+    provider: str | None,
+    model: str | None,
+    budget_usd: Decimal | None,
+    ceiling: str | None,
+    follow: bool,
+    wait: bool,
+) -> None:
+    """Run N more generations of each lineage NAME (on the fleet, or --local)."""
+    settings = load_settings()
+    provider = provider or settings.model_provider
+    model = model or settings.model_name
+    if local:
+        run_local(settings, list(names), generations, provider, model, ceiling)
+        return
+    require_known(provider)
+    fleet = Fleet(settings)
+    planner = fleet.planner
+    heads = {}
+    for name in names:
+        check_name(name)
+        heads[name] = planner.cache.fetch(name)
+        if heads[name] is None:
+            raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
+    metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
+    for meta in metas.values():
+        planner.require_deliverable(meta)
+    for name, head in heads.items():
+        physics = metas[name].physics
+        budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
+        record = planner.start_run(name, head, generations, provider, model, budget)
+        planner.enqueue(name, job_of(record, head, record.budget_usd))
+        console.print(
+            f"run {record.run_id}: {name} to generation {record.target_generation}, "
+            f"budget ${record.budget_usd}, {provider}",
+            highlight=False,
+        )
+    if follow or wait:
+        final = watch(fleet, list(names), console, show=follow)
+        for status in final:
+            console.print(describe(status), highlight=False)
+        if any(status.blocked for status in final):
+            sys.exit(1)
+
+
+def run_local(
+    settings: Settings,
+    names: list[str],
+    generations: int,
+    provider: str,
+    model: str | None,
+    ceiling: str | None,
+) -> None:
+    """Generations in this process, through the same pipeline the Celery task runs."""
+    make_provider(provider, model, settings)
+    pipeline = build_pipeline(settings, ceiling)
+    for name in names:
+        pipeline.head(name)
+    for name in names:
+        for _ in range(generations):
+            job = GenerationJob(
+                lineage=name, expected_commit=pipeline.head(name), provider=provider, model=model
+            )
+            try:
+                report = pipeline.run(job)
+            except StaleJob as exc:
+                warn("stale", exc)
+                continue
+            pending = "" if report.observation_stored else " (observation pending)"
+            console.print(
+                f"{name} gen {report.generation}: [bold]{report.outcome}[/] "
+                f"{report.commit[:12]} spent ${report.spent_usd}{pending}",
+                highlight=False,
+            )
+
+
+@click.command()
+@click.argument("name")
+def cancel(name: str) -> None:
+    """Stop NAME's run after the generation in flight (if any) lands."""
+    settings = load_settings()
+    check_name(name)
+    cancelled = Fleet(settings).planner.cancel(name)
+    if cancelled is None:
+        raise Refusal(f"lineage {name} has no active run to cancel")
+    console.print(f"cancelled run {cancelled.run_id} of {name}")
+
+
+@click.command()
+@click.option(
+    "--loop", is_flag=True, help="Keep reconciling every OUROBOROS_RECONCILE_INTERVAL_SECONDS."
+)
+def reconcile(loop: bool) -> None:
+    """Re-enqueue every lineage whose run wants more and has nothing in flight."""
+    settings = load_settings()
+    fleet = Fleet(settings)
+    if not loop:
+        enqueued = fleet.planner.reconcile()
+        console.print(f"reconcile: enqueued {', '.join(enqueued) or 'nothing'}")
+        return
+    while True:
+        try:
+            enqueued = fleet.planner.reconcile()
+        except (redis.RedisError, OperationalError, StoreUnavailable, GitError, Refusal) as exc:
+            # A lost broker or store is exactly what the loop exists to outlive.
+            warn("reconcile", f"{exc}; retrying")
+        else:
+            if enqueued:
+                console.print(f"reconcile: enqueued {', '.join(enqueued)}", highlight=False)
+        time.sleep(settings.reconcile_interval_seconds)

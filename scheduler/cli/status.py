@@ -1,0 +1,46 @@
+"""The ``status`` command: where each lineage stands, as a table or JSON.
+
+Imported only when ``status`` runs or its help is asked (see ``scheduler.cli``).
+"""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from scheduler.cli.common import emit, load_settings
+from scheduler.status import Fleet
+from worker.instrument.lineage import check_name
+
+
+@click.command()
+@click.argument("names", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(names: tuple[str, ...], as_json: bool) -> None:
+    """Where each lineage stands: target, done, in flight, last outcome, deaths, spend."""
+    settings = load_settings()
+    for name in names:
+        check_name(name)
+    rows = Fleet(settings).statuses(list(names) or None)
+    table = Table(
+        "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
+    )
+    table.columns[0].no_wrap = True
+    for row in rows:
+        state = row.blocked or row.stopped or ("running" if row.in_flight else "idle")
+        if row.queue is None:
+            state = "imported (browse only)"
+        if row.waiting_for_instrument:
+            state = f"waiting: no live worker serves {row.queue}"
+        table.add_row(
+            row.lineage,
+            f"{row.generation}/{row.target}" if row.target else str(row.generation),
+            "yes" if row.in_flight else "no",
+            row.last_outcome or "-",
+            str(row.deaths),
+            f"${row.spent_usd:.4f}"
+            + (f" of ${row.budget_usd}" if row.budget_usd is not None else ""),
+            str(row.observation_backlog),
+            state,
+        )
+    emit(rows, as_json, table)

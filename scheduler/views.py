@@ -1,0 +1,159 @@
+"""What browsing shows: the view models shared by the JSON API, the web pages and the CLI.
+
+Owns the shape of every answer the reader gives (and so the OpenAPI schema of the
+JSON API). Figures come from the worker's own records (``IndexEntry``,
+``Observation``, ``RunRecord``, ``LineageMetadata``), reused as they are; what is
+added here is what only the shared repository knows (commits, numbering, journal,
+diffs) and what is derived for display (progress, counts, chart series).
+
+Trusts: nothing beyond its types; every string in these models that came from a
+lineage is organism-made and must be escaped wherever it is rendered.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from typing import Literal
+
+from pydantic import BaseModel, computed_field
+
+from scheduler.history import CommitKind, JournalEntry
+from worker.fleet.runs import Progress
+from worker.instrument.lineage import LineageMetadata
+from worker.instrument.records import DEATHS, IndexEntry, Observation
+
+LineageKind = Literal["fleet", "imported"]
+
+
+def is_death(outcome: str) -> bool:
+    """An observed death (``cgroup_oom``, ...) or a death only the subject tells of."""
+    return outcome in DEATHS or outcome == "died"
+
+
+class CommitView(BaseModel):
+    """One commit of a lineage branch and what its subject says."""
+
+    sha: str
+    parents: list[str]
+    committed_at: datetime
+    subject: str
+    kind: CommitKind
+    generation: int | None
+    exit_status: int | None
+    summary: str | None
+
+
+class GenerationRow(BaseModel):
+    """A commit with the figures of its observation, when one is indexed."""
+
+    commit: CommitView
+    figures: IndexEntry | None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def outcome(self) -> str:
+        """The observed outcome (e.g. ``cgroup_oom``), else what the subject says."""
+        return self.figures.outcome if self.figures else self.commit.kind
+
+
+class LineageSummary(BaseModel):
+    """One lineage as the overview and the family view list it."""
+
+    name: str
+    kind: LineageKind
+    status: str
+    head: str
+    seed_sha256: str | None
+    instrument_fingerprint: str | None
+    generations: int
+    outcomes: dict[str, int]
+    out_of_loop: int
+    last_generation_at: datetime | None
+    spent_usd: Decimal | None
+    observed: int
+    backlog: int | None
+    run: Progress | None
+
+
+class PageInfo(BaseModel):
+    number: int
+    per_page: int
+    rows: int
+    pages: int
+
+
+class SeriesPoint(BaseModel):
+    generation: int
+    value: float
+
+
+class Series(BaseModel):
+    """One chart's data: at most a few hundred points, each the maximum of a bucket."""
+
+    key: str
+    title: str
+    unit: str
+    bucket: int
+    points: list[SeriesPoint]
+
+
+class LineageView(BaseModel):
+    summary: LineageSummary
+    metadata: LineageMetadata | None
+    page: PageInfo
+    rows: list[GenerationRow]
+    series: list[Series]
+
+
+class FileDiff(BaseModel):
+    """One path's change between two commits; the patch is omitted when too large."""
+
+    path: str
+    added: int | None
+    deleted: int | None
+    binary: bool
+    patch: str | None
+    omitted: str | None = None
+
+
+class GenerationView(BaseModel):
+    lineage: str
+    row: GenerationRow
+    parent: str | None
+    previous: int | None
+    next: int | None
+    journal: JournalEntry | None
+    diff: list[FileDiff]
+    observation: Observation | None
+    lethal_body: str | None
+
+
+class CompareView(BaseModel):
+    lineage: str
+    a: GenerationRow
+    b: GenerationRow
+    diff: list[FileDiff]
+
+
+class FamilyView(BaseModel):
+    seed_sha256: str
+    lineages: list[LineageSummary]
+
+
+class JournalRow(BaseModel):
+    """A commit with its journal entry (the CLI journal view)."""
+
+    commit: CommitView
+    entry: JournalEntry | None
+
+
+class LiveWorker(BaseModel):
+    hostname: str
+    queues: list[str]
+
+
+class Overview(BaseModel):
+    lineages: list[LineageSummary]
+    broker: Literal["no broker", "inspected"]
+    workers: list[LiveWorker]

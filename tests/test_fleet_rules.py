@@ -1,0 +1,547 @@
+"""The fleet's rules, fast: run progress, planning, reconciling and the lease, without workers.
+
+No Celery worker, bwrap, cgroup or root: the planner runs in this process against
+the machine's real Redis (127.0.0.1:6379, database 0, which the slow suite never
+flushes), a real file observation store and a real bare repository whose lineages
+are made by the project's own ``create_lineage`` and whose generations are commits
+pushed by its own ``LineageCache``. ``send`` is a fake that records each job.
+
+The Redis keys of ``worker.fleet.leases`` have a fixed prefix, so every test uses
+lineage names of its own and deletes their keys afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+import redis
+
+from worker.fleet import leases
+from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.planner import Planner
+from worker.fleet.runs import RunRecord, hard_time_limit, job_of, queue_of, run_progress
+from worker.fleet.settings import Settings
+from worker.instrument import journal
+from worker.instrument.fingerprint import Instrument
+from worker.instrument.gitrepo import Entry
+from worker.instrument.job import GenerationJob, GenerationReport
+from worker.instrument.keys import index_key
+from worker.instrument.lineage import LineageMetadata, create_lineage
+from worker.instrument.names import ORGANISM_PATH
+from worker.instrument.physics import Physics
+from worker.instrument.records import IndexEntry, LineageIndex
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+SEED = b';;; rules organism  -*- lexical-binding: t; -*-\n(message "hi")\n'
+INSTRUMENT = Instrument(
+    fingerprint=hashlib.sha256(b"fleet-rules stand-in instrument").hexdigest(),
+    version="0.0.0",
+    scripts={},
+    seed=SEED,
+    sources={},
+)
+PHYSICS = Physics(wall_seconds=60, cpu_seconds=60)
+WHEN = datetime(2026, 3, 1, tzinfo=UTC)
+HEAD = "c" * 40
+
+
+# -- Redis, names and the fake send --------------------------------------------------------
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def unique(client: redis.Redis) -> Iterator[Callable[[str], str]]:
+    """Lineage names no other test (or concurrent run) uses; their Redis keys go afterwards."""
+    made: list[str] = []
+
+    def name(stem: str) -> str:
+        made.append(f"{stem}-{secrets.token_hex(6)}")
+        return made[-1]
+
+    yield name
+    for lineage in made:
+        for pattern in (f"{leases.PREFIX}:*:{lineage}", f"{leases.PREFIX}:*:{lineage}:*"):
+            for key in client.scan_iter(match=pattern):
+                client.delete(key)
+
+
+@dataclass
+class Sent:
+    """A ``send`` that records its calls instead of talking to Celery."""
+
+    calls: list[tuple[GenerationJob, str, str, int]] = field(default_factory=list)
+
+    def __call__(self, job: GenerationJob, job_id: str, queue: str, time_limit: int) -> None:
+        self.calls.append((job, job_id, queue, time_limit))
+
+    @property
+    def jobs(self) -> list[GenerationJob]:
+        return [job for job, *_ in self.calls]
+
+
+@dataclass
+class Rig:
+    """A planner on a private repository and store, the real Redis and a fake send."""
+
+    planner: Planner
+    sent: Sent
+    client: redis.Redis
+    name: Callable[[str], str]
+
+    def lineage(self, stem: str) -> tuple[str, LineageMetadata]:
+        """A new lineage, made the way ``schedule-lineage init`` makes one."""
+        name = self.name(stem)
+        settings = self.planner.settings
+        meta = create_lineage(
+            name=name,
+            seed=SEED,
+            physics=PHYSICS,
+            instrument=INSTRUMENT,
+            commit="a" * 40,
+            repository="tests",
+            ref="tests",
+            repo_url=settings.lineage_repo_url,
+            cache=self.planner.cache,
+            store=self.planner.store,
+        )
+        return name, meta
+
+    def head(self, lineage: str) -> str:
+        head = self.planner.cache.fetch(lineage)
+        assert head is not None
+        return head
+
+    def land(self, lineage: str, generation: int) -> str:
+        """Push generation ``generation`` (a ``gen N: changed`` commit) onto the lineage."""
+        cache = self.planner.cache
+        parent = self.head(lineage)
+        tree = cache.tree(parent)
+        body = SEED + f";; generation {generation}\n".encode()
+        tree[ORGANISM_PATH] = Entry("100644", cache.hash_bytes(body))
+        subject = journal.subject_changed(generation, journal.changed_summary((1, 0), 1))
+        commit = cache.commit(parent, tree, subject)
+        assert cache.push_cas(lineage, commit, parent)
+        return commit
+
+    def observe(
+        self, lineage: str, generation: int, run_id: str, spent: str, exhausted: bool = False
+    ) -> None:
+        """Add a generation's entry to the lineage index, as publication does."""
+        store = self.planner.store
+        index = LineageIndex.parse(store.get(index_key(lineage)), lineage)
+        index = index.with_entry(entry(generation, run_id, spent, exhausted))
+        store.put(index_key(lineage), index.model_dump_json().encode())
+
+    def run(self, lineage: str, generations: int, budget: str = "1.00") -> RunRecord:
+        return self.planner.start_run(
+            lineage, self.head(lineage), generations, "scripted", None, Decimal(budget)
+        )
+
+    def first_generation(
+        self, stem: str, generations: int, budget: str = "1.00"
+    ) -> tuple[GenerationJob, str]:
+        """A new lineage's run, its first job as enqueued, and the commit that job landed."""
+        name, _ = self.lineage(stem)
+        self.run(name, generations, budget)
+        job = self.planner.enqueue(name)
+        assert job is not None
+        return job, self.land(name, 1)
+
+
+@pytest.fixture
+def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Rig:
+    settings = Settings(
+        home=tmp_path / "home",
+        broker_url=REDIS_URL,
+        visibility_timeout_seconds=7200,
+        inflight_ttl_seconds=300,
+    )
+    sent = Sent()
+    planner = Planner(
+        settings=settings,
+        store=observation_store(settings),
+        cache=lineage_cache(settings, "scheduler"),
+        client=client,
+        send=sent,
+    )
+    return Rig(planner=planner, sent=sent, client=client, name=unique)
+
+
+def entry(generation: int, run_id: str | None, spent: str, exhausted: bool = False) -> IndexEntry:
+    return IndexEntry(
+        generation=generation,
+        outcome="changed",
+        parent_commit="b" * 40,
+        lineage_commit=HEAD,
+        finished_at=WHEN,
+        duration_seconds=1.0,
+        cpu_usage_nsec=None,
+        memory_peak_bytes=None,
+        model_calls=1,
+        spent_usd=Decimal(spent),
+        run_id=run_id,
+        run_budget_exhausted=exhausted,
+    )
+
+
+def run_record(**changes: object) -> RunRecord:
+    values: dict[str, object] = {
+        "run_id": "20260301T000000000000Z-abcdef",
+        "lineage": "rules",
+        "created_at": WHEN,
+        "start_generation": 2,
+        "target_generation": 5,
+        "provider": "scripted",
+        "model": None,
+        "budget_usd": Decimal("1.00"),
+    }
+    return RunRecord.model_validate({**values, **changes})
+
+
+def report(
+    job: GenerationJob, generation: int, commit: str, spent: str, **changes: object
+) -> GenerationReport:
+    values: dict[str, object] = {
+        "lineage": job.lineage,
+        "generation": generation,
+        "outcome": "changed",
+        "parent": job.expected_commit,
+        "commit": commit,
+        "spent_usd": Decimal(spent),
+        "run_budget_exhausted": False,
+        "observation_stored": True,
+    }
+    return GenerationReport.model_validate({**values, **changes})
+
+
+# -- run_progress and job_of: pure rules ----------------------------------------------------
+
+
+def test_a_run_short_of_its_target_and_budget_has_not_stopped() -> None:
+    run = run_record()
+    progress = run_progress(run, 3, [entry(3, run.run_id, "0.25")])
+    assert progress.stopped is None
+    assert (progress.done, progress.wanted) == (1, 3)
+    assert progress.spent_usd == Decimal("0.25")
+    assert progress.remaining_usd == Decimal("0.75")
+
+
+def test_a_run_at_its_target_generation_stopped_because_the_target_was_reached() -> None:
+    run = run_record()
+    assert run_progress(run, 5, []).stopped == "target reached"
+    assert run_progress(run, 6, []).stopped == "target reached"
+
+
+def test_a_run_that_spent_its_budget_stopped_because_the_budget_is_exhausted() -> None:
+    run = run_record()
+    entries = [entry(3, run.run_id, "0.60"), entry(4, run.run_id, "0.40")]
+    progress = run_progress(run, 4, entries)
+    assert progress.stopped == "budget exhausted"
+    assert progress.remaining_usd == 0
+
+
+def test_a_refused_call_under_the_run_budget_exhausts_the_run_whatever_it_spent() -> None:
+    run = run_record()
+    entries = [entry(3, run.run_id, "0.01", exhausted=True)]
+    assert run_progress(run, 3, entries).stopped == "budget exhausted"
+
+
+def test_a_cancelled_run_stopped_because_it_was_cancelled_before_any_other_reason() -> None:
+    run = run_record(status="cancelled", cancelled_at=WHEN)
+    assert run_progress(run, 3, []).stopped == "cancelled"
+    assert run_progress(run, 5, [entry(3, run.run_id, "5.00")]).stopped == "cancelled"
+
+
+def test_entries_of_other_runs_count_neither_spending_nor_exhaustion() -> None:
+    run = run_record()
+    others = [
+        entry(1, "an-earlier-run", "0.90"),
+        entry(2, "an-earlier-run", "0.90", exhausted=True),
+        entry(3, None, "5.00"),
+    ]
+    progress = run_progress(run, 3, [*others, entry(3, run.run_id, "0.10")])
+    assert progress.stopped is None
+    assert progress.spent_usd == Decimal("0.10")
+
+
+def test_the_job_of_a_run_carries_its_target_and_what_its_budget_has_left() -> None:
+    run = run_record(model="tiny")
+    job = job_of(run, HEAD, Decimal("0.35"))
+    assert job.lineage == run.lineage
+    assert job.expected_commit == HEAD
+    assert (job.provider, job.model) == ("scripted", "tiny")
+    assert job.run_id == run.run_id
+    assert job.target_generation == 5
+    assert job.budget_usd == Decimal("0.35")
+    assert job.enqueued_at is not None
+
+
+# -- Planner.enqueue ------------------------------------------------------------------------
+
+
+def test_enqueue_sends_exactly_one_job_for_a_lineage_whose_run_wants_more(rig: Rig) -> None:
+    name, _ = rig.lineage("wants")
+    run = rig.run(name, 3, "0.50")
+    job = rig.planner.enqueue(name)
+    assert job is not None
+    assert rig.sent.jobs == [job]
+    assert job.lineage == name
+    assert job.expected_commit == rig.head(name)
+    assert (job.run_id, job.target_generation, job.budget_usd) == (run.run_id, 3, Decimal("0.50"))
+    _, job_id, _, _ = rig.sent.calls[0]
+    assert leases.in_flight(rig.client, name) == job_id
+
+
+def test_a_second_enqueue_while_the_in_flight_marker_exists_sends_nothing(rig: Rig) -> None:
+    name, _ = rig.lineage("twice")
+    rig.run(name, 3)
+    assert rig.planner.enqueue(name) is not None
+    assert rig.planner.enqueue(name) is None
+    assert rig.planner.reconcile() == []
+    assert len(rig.sent.calls) == 1
+
+
+def test_enqueue_sends_the_job_to_the_lineage_instrument_queue_with_its_hard_time_limit(
+    rig: Rig,
+) -> None:
+    name, meta = rig.lineage("queued")
+    rig.run(name, 1)
+    rig.planner.enqueue(name)
+    [(_, job_id, queue, time_limit)] = rig.sent.calls
+    assert queue == queue_of(meta) == f"gen.{INSTRUMENT.fingerprint[:12]}"
+    assert time_limit == hard_time_limit(meta) == PHYSICS.wall_seconds + 600
+    assert job_id.startswith(f"{name}.{rig.head(name)[:12]}.")
+
+
+def test_enqueue_sends_nothing_for_a_lineage_without_a_run(rig: Rig) -> None:
+    name, _ = rig.lineage("idle")
+    assert rig.planner.enqueue(name) is None
+    assert rig.sent.calls == []
+    assert leases.in_flight(rig.client, name) is None
+
+
+def test_enqueue_sends_nothing_for_a_run_that_reached_its_target(rig: Rig) -> None:
+    name, _ = rig.lineage("finished")
+    run = rig.run(name, 1)
+    rig.land(name, 1)
+    rig.observe(name, 1, run.run_id, "0.10")
+    assert rig.planner.enqueue(name) is None
+    assert rig.sent.calls == []
+
+
+def test_enqueue_sends_nothing_for_a_run_that_exhausted_its_budget(rig: Rig) -> None:
+    name, _ = rig.lineage("spent")
+    run = rig.run(name, 5, "0.20")
+    rig.land(name, 1)
+    rig.observe(name, 1, run.run_id, "0.20")
+    assert rig.planner.enqueue(name) is None
+    assert rig.sent.calls == []
+
+
+def test_enqueue_sends_nothing_for_a_cancelled_run(rig: Rig) -> None:
+    name, _ = rig.lineage("cancelled")
+    run = rig.run(name, 3)
+    cancelled = rig.planner.cancel(name)
+    assert cancelled is not None and cancelled.status == "cancelled"
+    assert leases.cancel_requested(rig.client, name, run.run_id)
+    assert rig.planner.enqueue(name) is None
+    assert rig.sent.calls == []
+
+
+def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
+    name, _ = rig.lineage("blocked")
+    rig.run(name, 3)
+    leases.block(rig.client, name, "no worker serves this instrument", 60)
+    assert rig.planner.enqueue(name) is None
+    assert rig.sent.calls == []
+
+
+def test_a_new_run_replaces_the_active_one_and_enqueue_follows_the_new_run(rig: Rig) -> None:
+    name, _ = rig.lineage("replaced")
+    first = rig.run(name, 3)
+    second = rig.run(name, 1, "0.05")
+    assert [run.status for run in rig.planner.runs(name)] == ["cancelled", "active"]
+    job = rig.planner.enqueue(name)
+    assert job is not None and job.run_id == second.run_id != first.run_id
+    assert (job.target_generation, job.budget_usd) == (1, Decimal("0.05"))
+
+
+# -- Planner.follow_up ----------------------------------------------------------------------
+
+
+def test_follow_up_after_a_report_is_the_next_job_when_the_run_wants_more(rig: Rig) -> None:
+    job, commit = rig.first_generation("onward", 3, "1.00")
+    follow = rig.planner.follow_up(job, report(job, 1, commit, "0.30"))
+    assert follow is not None
+    assert follow.expected_commit == commit
+    assert follow.budget_usd == Decimal("0.70")
+    assert (follow.lineage, follow.run_id, follow.target_generation) == (
+        job.lineage,
+        job.run_id,
+        job.target_generation,
+    )
+    assert (follow.provider, follow.model) == (job.provider, job.model)
+    assert rig.sent.jobs == [job]  # follow_up plans; it sends nothing itself
+
+
+def test_follow_up_is_none_when_the_report_reaches_the_target(rig: Rig) -> None:
+    job, commit = rig.first_generation("arrived", 1)
+    assert rig.planner.follow_up(job, report(job, 1, commit, "0.10")) is None
+
+
+def test_follow_up_is_none_when_the_report_spends_the_rest_of_the_budget(rig: Rig) -> None:
+    job, commit = rig.first_generation("broke", 3, "0.25")
+    assert rig.planner.follow_up(job, report(job, 1, commit, "0.25")) is None
+
+
+def test_follow_up_is_none_when_the_report_says_the_run_budget_is_exhausted(rig: Rig) -> None:
+    job, commit = rig.first_generation("refused", 3, "1.00")
+    exhausted = report(job, 1, commit, "0.01", run_budget_exhausted=True)
+    assert rig.planner.follow_up(job, exhausted) is None
+
+
+def test_follow_up_is_none_once_the_run_was_cancelled(rig: Rig) -> None:
+    job, commit = rig.first_generation("halted", 3)
+    rig.planner.cancel(job.lineage)
+    assert rig.planner.follow_up(job, report(job, 1, commit, "0.10")) is None
+
+
+# -- Planner.reconcile ----------------------------------------------------------------------
+
+
+def test_reconcile_re_enqueues_a_lineage_whose_run_wants_more_with_no_marker_nor_lease(
+    rig: Rig,
+) -> None:
+    wanting, _ = rig.lineage("wanting")
+    idle, _ = rig.lineage("idle")
+    run = rig.run(wanting, 2)
+    assert rig.planner.reconcile() == [wanting]
+    [job] = rig.sent.jobs
+    assert (job.lineage, job.run_id) == (wanting, run.run_id)
+    assert leases.in_flight(rig.client, idle) is None
+
+
+def test_reconcile_re_enqueues_a_run_whose_message_and_marker_were_lost(rig: Rig) -> None:
+    name, _ = rig.lineage("lost")
+    rig.run(name, 2)
+    assert rig.planner.enqueue(name) is not None
+    # As after a Redis that lost its data: the queued message and its marker are gone.
+    rig.client.delete(f"{leases.PREFIX}:inflight:{name}")
+    assert rig.planner.reconcile() == [name]
+    assert len(rig.sent.calls) == 2
+
+
+def test_reconcile_skips_a_lineage_whose_lease_is_held(rig: Rig) -> None:
+    name, _ = rig.lineage("leased")
+    rig.run(name, 2)
+    lease = leases.Lease(rig.client, name, 60)
+    assert lease.acquire()
+    assert rig.planner.reconcile() == []
+    assert rig.sent.calls == []
+    lease.release()
+    assert rig.planner.reconcile() == [name]
+
+
+def test_reconcile_skips_a_lineage_with_an_in_flight_marker(rig: Rig) -> None:
+    name, _ = rig.lineage("marked")
+    rig.run(name, 2)
+    assert leases.mark_in_flight(rig.client, name, "someone-else", 60)
+    assert rig.planner.reconcile() == []
+    assert rig.sent.calls == []
+    assert leases.in_flight(rig.client, name) == "someone-else"
+
+
+# -- leases.holding ---------------------------------------------------------------------------
+
+
+def test_a_second_holder_of_a_held_lease_gets_lease_busy(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("busy")
+    ran = False
+    with leases.holding(client, name, "first", 30):
+        with pytest.raises(leases.LeaseBusy), leases.holding(client, name, "second", 30):
+            ran = True
+        assert leases.in_flight(client, name) == "first"
+        assert leases.lease_held(client, name)
+    assert not ran
+
+
+def test_the_heartbeat_keeps_the_lease_and_running_marker_alive_past_their_ttl(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("heartbeat")
+    ttl = 3
+    with leases.holding(client, name, "long-life", ttl) as lease:
+        time.sleep(ttl * 1.5)  # past the ttl: only renewals can have kept them
+        assert client.get(lease.key) == lease.token.encode()
+        assert leases.in_flight(client, name) == "long-life"
+        assert 0 < client.ttl(lease.key) <= ttl
+
+
+def test_leaving_releases_the_lease_and_the_running_marker(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("leave")
+    with leases.holding(client, name, "job-1", 30):
+        assert leases.lease_held(client, name)
+        assert leases.in_flight(client, name) == "job-1"
+    assert not leases.lease_held(client, name)
+    assert leases.in_flight(client, name) is None
+    assert not any(t.name == f"lease-{name}" for t in threading.enumerate())
+
+
+def test_leaving_by_an_exception_releases_the_lease_and_the_running_marker(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("raise")
+    with pytest.raises(RuntimeError), leases.holding(client, name, "job-1", 30):
+        raise RuntimeError("the life failed")
+    assert not leases.lease_held(client, name)
+    assert leases.in_flight(client, name) is None
+    with leases.holding(client, name, "job-2", 30):
+        assert leases.in_flight(client, name) == "job-2"
+
+
+def test_a_release_never_removes_another_holders_lease(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("theirs")
+    mine = leases.Lease(client, name, 30)
+    assert mine.acquire()
+    client.delete(mine.key)  # as if it expired while its holder stalled
+    theirs = leases.Lease(client, name, 30)
+    assert theirs.acquire()
+    mine.release()
+    assert client.get(theirs.key) == theirs.token.encode()
+    assert not mine.renew()
+    assert client.get(theirs.key) == theirs.token.encode()
+
+
+def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("lost")
+    with leases.holding(client, name, "stalled", 30) as mine:
+        # Both expired while this holder stalled, and another worker took the lineage.
+        client.delete(mine.key, f"{leases.PREFIX}:inflight:{name}")
+        theirs = leases.Lease(client, name, 30)
+        assert theirs.acquire()
+        leases.claim_running(client, name, "heir", 30)
+    assert client.get(theirs.key) == theirs.token.encode()
+    assert leases.in_flight(client, name) == "heir"

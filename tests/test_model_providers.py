@@ -1,0 +1,659 @@
+"""Providers: request and response translation against local stand-ins of each vendor API,
+the choice of provider with its refusals, keys and prices, and the scripted stand-in."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from decimal import Decimal
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal
+from worker.instrument.model.prices import builtin_prices
+from worker.instrument.model.providers import (
+    AnthropicProvider,
+    GenerationContext,
+    ProviderUnavailable,
+    ScriptedProvider,
+    make_provider,
+    scripted_body,
+)
+from worker.instrument.model.server import ModelSocket
+from worker.instrument.physics import Physics
+
+KEY = "sk-test-0123456789abcdef-SECRET"
+CONTEXT = GenerationContext(lineage="demo", generation=3, organism_source='(message "hi")\n')
+KEY_VARIABLES = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "OPENAI_COMPATIBLE_API_KEY")
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys, key files, credential directories and price settings of this host stay out."""
+    for variable in KEY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+        monkeypatch.delenv(f"{variable}_FILE", raising=False)
+    for variable in (
+        "CREDENTIALS_DIRECTORY",
+        "OUROBOROS_CONFIG",
+        "OUROBOROS_MODEL_INPUT_USD_PER_MTOK",
+        "OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK",
+        "OUROBOROS_OPENAI_COMPATIBLE_BASE_URL",
+    ):
+        monkeypatch.delenv(variable, raising=False)
+
+
+@dataclass
+class Received:
+    path: str
+    headers: Message
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class StandIn:
+    """A vendor API on 127.0.0.1: records each request, answers as told."""
+
+    url: str = ""
+    status: int = 200
+    reply: object = field(default_factory=dict)
+    delay_seconds: float = 0.0
+    location: str | None = None
+    received: list[Received] = field(default_factory=list)
+
+    def only_request(self) -> Received:
+        assert len(self.received) == 1
+        return self.received[0]
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    state = StandIn()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            state.received.append(Received(self.path, self.headers, body))
+            time.sleep(state.delay_seconds)
+            if state.location is not None:
+                self.send_response(302)
+                self.send_header("Location", state.location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            raw = (
+                state.reply if isinstance(state.reply, bytes) else json.dumps(state.reply).encode()
+            )
+            try:
+                self.send_response(state.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+            except OSError:
+                pass  # the client gave up first, as the timeout test intends
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def settings(**values: Any) -> Settings:
+    return Settings(**values)
+
+
+def assert_key_only_in(received: Received, header: str, expected_value: str) -> None:
+    assert received.headers[header] == expected_value
+    assert KEY not in received.path
+    assert KEY.encode() not in received.body
+    for name, value in received.headers.items():
+        if name.lower() != header.lower():
+            assert KEY not in value, name
+
+
+# --- anthropic ---------------------------------------------------------------------------
+
+
+def test_anthropic_sends_a_messages_request_and_joins_the_text_blocks(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.reply = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "x"},
+            {"type": "text", "text": "(next "},
+            {"type": "text", "text": "body)"},
+        ],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": 11, "output_tokens": 7, "cache_read_input_tokens": 0},
+    }
+    provider = make_provider(
+        "anthropic", "claude-sonnet-4-6", settings(anthropic_base_url=stand_in.url)
+    )
+
+    reply = provider.generate("my prompt ✓", 321, 5, CONTEXT)
+
+    assert (reply.text, reply.input_tokens, reply.output_tokens) == ("(next body)", 11, 7)
+    request = stand_in.only_request()
+    assert request.path == "/v1/messages"
+    assert request.headers["anthropic-version"] == "2023-06-01"
+    assert request.headers["content-type"] == "application/json"
+    assert request.json() == {
+        "model": "claude-sonnet-4-6",
+        "max_tokens": 321,
+        "messages": [{"role": "user", "content": "my prompt ✓"}],
+    }
+    assert_key_only_in(request, "x-api-key", KEY)
+    assert "Authorization" not in request.headers
+
+
+def test_anthropic_reply_without_text_blocks_is_an_empty_answer(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.reply = {
+        "content": [],
+        "stop_reason": "refusal",
+        "usage": {"input_tokens": 5, "output_tokens": 0},
+    }
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    reply = provider.generate("p", 10, 5, CONTEXT)
+
+    assert (reply.text, reply.input_tokens, reply.output_tokens) == ("", 5, 0)
+    assert stand_in.only_request().json()["model"] == "claude-opus-4-8"
+
+
+def test_vendor_http_error_names_status_and_type_but_neither_key_nor_vendor_prose(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.status = 401
+    stand_in.reply = {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": f"invalid x-api-key {KEY[:12]}***"},
+    }
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert str(failure.value) == "anthropic answered HTTP 401 (authentication_error)"
+    assert failure.value.may_have_billed is False
+    assert failure.value.__cause__ is None and failure.value.__suppress_context__
+
+
+def test_refused_connection_is_unavailable_and_cannot_have_billed(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    provider = make_provider("anthropic", None, settings(anthropic_base_url="http://127.0.0.1:9"))
+
+    with pytest.raises(ProviderUnavailable, match="anthropic unreachable") as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert failure.value.may_have_billed is False
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason"),
+    [
+        (b"<html>gateway</html>", "reply is not JSON"),
+        ({"content": [{"type": "text", "text": "x"}]}, "lacks the expected fields"),
+        ({"content": "x", "usage": {"input_tokens": 1, "output_tokens": 1}}, "at content"),
+    ],
+)
+def test_malformed_success_reply_is_unavailable_and_may_have_billed(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, reply: object, reason: str
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.reply = reply
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable, match=reason) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert failure.value.may_have_billed is True
+
+
+def test_vendor_silent_past_the_timeout_is_unavailable_and_may_have_billed(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.delay_seconds = 1.5
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    started = time.monotonic()
+    with pytest.raises(ProviderUnavailable, match="connection lost") as failure:
+        provider.generate("p", 10, 0.3, CONTEXT)
+
+    assert time.monotonic() - started < 1.4
+    assert failure.value.may_have_billed is True
+
+
+# --- openai ------------------------------------------------------------------------------
+
+
+def test_openai_sends_a_responses_request_and_joins_the_output_text(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    stand_in.reply = {
+        "id": "resp_1",
+        "object": "response",
+        "status": "completed",
+        "output": [
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [
+                    {"type": "output_text", "text": "hello ", "annotations": []},
+                    {"type": "refusal", "refusal": "no"},
+                    {"type": "output_text", "text": "world", "annotations": []},
+                ],
+            },
+        ],
+        "usage": {"input_tokens": 20, "output_tokens": 30, "total_tokens": 50},
+    }
+    provider = make_provider("openai", "gpt-5.6", settings(openai_base_url=stand_in.url + "/"))
+
+    reply = provider.generate("prompt", 1234, 5, CONTEXT)
+
+    assert (reply.text, reply.input_tokens, reply.output_tokens) == ("hello world", 20, 30)
+    request = stand_in.only_request()
+    assert request.path == "/v1/responses"
+    assert request.headers["content-type"] == "application/json"
+    assert request.json() == {"model": "gpt-5.6", "input": "prompt", "max_output_tokens": 1234}
+    assert_key_only_in(request, "Authorization", f"Bearer {KEY}")
+
+
+def test_openai_error_body_quoting_the_key_never_reaches_the_message(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    stand_in.status = 429
+    stand_in.reply = {
+        "error": {"message": f"Rate limit for key {KEY}", "type": "rate_limit_exceeded"}
+    }
+    provider = make_provider("openai", None, settings(openai_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert str(failure.value) == "openai answered HTTP 429 (rate_limit_exceeded)"
+    assert KEY not in repr(failure.value)
+
+
+# --- openai-compatible ------------------------------------------------------------------
+
+
+def compatible_settings(stand_in: StandIn, **values: Any) -> Settings:
+    return settings(
+        openai_compatible_base_url=f"{stand_in.url}/v1",
+        model_input_usd_per_mtok=0,
+        model_output_usd_per_mtok=0,
+        **values,
+    )
+
+
+def test_openai_compatible_sends_chat_completions_without_a_key_when_none_is_set(
+    stand_in: StandIn,
+) -> None:
+    stand_in.reply = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "local answer"}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13},
+    }
+    provider = make_provider("openai-compatible", "qwen3-32b", compatible_settings(stand_in))
+
+    reply = provider.generate("local prompt", 77, 5, CONTEXT)
+
+    assert (reply.text, reply.input_tokens, reply.output_tokens) == ("local answer", 9, 4)
+    assert provider.input_usd_per_mtok == provider.output_usd_per_mtok == 0
+    request = stand_in.only_request()
+    assert request.path == "/v1/chat/completions"
+    assert "Authorization" not in request.headers
+    assert request.json() == {
+        "model": "qwen3-32b",
+        "messages": [{"role": "user", "content": "local prompt"}],
+        "max_tokens": 77,
+    }
+
+
+def test_openai_compatible_sends_its_optional_key_as_a_bearer_token(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", KEY)
+    stand_in.reply = {
+        "choices": [{"message": {"content": None}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 0},
+    }
+    provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
+
+    reply = provider.generate("p", 5, 5, CONTEXT)
+
+    assert reply.text == ""
+    assert_key_only_in(stand_in.only_request(), "Authorization", f"Bearer {KEY}")
+
+
+def test_a_redirect_is_never_followed_with_the_key(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", KEY)
+    # Following it would send the Authorization header to wherever Location points.
+    stand_in.location = f"{stand_in.url}/elsewhere"
+    provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
+
+    with pytest.raises(ProviderUnavailable, match="302"):
+        provider.generate("p", 5, 5, CONTEXT)
+
+    assert [r.path for r in stand_in.received] == ["/v1/chat/completions"]
+
+
+def test_openai_compatible_needs_base_url_model_and_explicit_prices(stand_in: StandIn) -> None:
+    with pytest.raises(Refusal, match="OUROBOROS_OPENAI_COMPATIBLE_BASE_URL"):
+        make_provider(
+            "openai-compatible",
+            "m",
+            settings(model_input_usd_per_mtok=0, model_output_usd_per_mtok=0),
+        )
+    with pytest.raises(Refusal, match=r"OUROBOROS_MODEL_NAME or --model"):
+        make_provider("openai-compatible", None, compatible_settings(stand_in))
+    with pytest.raises(Refusal) as no_prices:
+        make_provider(
+            "openai-compatible",
+            "gpt-5.6",
+            settings(openai_compatible_base_url=f"{stand_in.url}/v1"),
+        )
+    assert "OUROBOROS_MODEL_INPUT_USD_PER_MTOK" in str(no_prices.value)
+    assert "OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK" in str(no_prices.value)
+
+
+# --- choosing a provider -----------------------------------------------------------------
+
+
+def test_unknown_provider_is_refused_naming_the_setting_and_the_known_ones() -> None:
+    with pytest.raises(Refusal) as refused:
+        make_provider("unknown", None, settings())
+
+    message = str(refused.value)
+    assert "OUROBOROS_MODEL_PROVIDER" in message and "--provider" in message
+    for known in ("anthropic", "openai", "openai-compatible", "scripted"):
+        assert known in message
+
+
+@pytest.mark.parametrize(
+    ("provider", "variable"), [("anthropic", "ANTHROPIC_API_KEY"), ("openai", "OPENAI_API_KEY")]
+)
+def test_missing_key_is_refused_naming_the_variable(provider: str, variable: str) -> None:
+    with pytest.raises(Refusal, match=variable) as refused:
+        make_provider(provider, None, settings())
+
+    assert f"{variable}_FILE" in str(refused.value)
+
+
+def test_model_without_builtin_prices_is_refused_naming_the_price_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+
+    with pytest.raises(Refusal) as refused:
+        make_provider("openai", "gpt-7-preview", settings())
+
+    assert "OUROBOROS_MODEL_INPUT_USD_PER_MTOK" in str(refused.value)
+    assert "OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK" in str(refused.value)
+
+
+def test_explicit_prices_serve_an_unrecognised_model_and_override_builtin_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+
+    custom = make_provider(
+        "openai",
+        "gpt-7-preview",
+        settings(model_input_usd_per_mtok=0.1, model_output_usd_per_mtok=0.3),
+    )
+    half = make_provider("openai", "gpt-5.6", settings(model_input_usd_per_mtok=4))
+
+    assert (custom.input_usd_per_mtok, custom.output_usd_per_mtok) == (
+        Decimal("0.1"),
+        Decimal("0.3"),
+    )
+    assert (half.input_usd_per_mtok, half.output_usd_per_mtok) == (Decimal("4.0"), Decimal("30.00"))
+
+
+def test_negative_explicit_price_is_refused() -> None:
+    with pytest.raises(Refusal, match="not negative"):
+        make_provider("scripted", None, settings(model_input_usd_per_mtok=-1))
+
+
+def test_builtin_prices_recognise_current_models_and_their_dated_snapshots() -> None:
+    assert builtin_prices("openai", "gpt-5.6") is not None
+    assert builtin_prices("anthropic", "claude-haiku-4-5-20251001") == builtin_prices(
+        "anthropic", "claude-haiku-4-5"
+    )
+    assert builtin_prices("anthropic", "gpt-5.6") is None
+    assert builtin_prices("openai-compatible", "gpt-5.6") is None
+
+
+def test_base_url_must_be_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    with pytest.raises(Refusal, match="OUROBOROS_ANTHROPIC_BASE_URL"):
+        make_provider("anthropic", None, settings(anthropic_base_url="file:///etc"))
+
+
+# --- keys --------------------------------------------------------------------------------
+
+
+def test_key_is_read_from_the_file_named_by_the_file_variable(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    secret = tmp_path / "anthropic.key"
+    secret.write_text(KEY + "\n")
+    monkeypatch.setenv("ANTHROPIC_API_KEY_FILE", str(secret))
+    stand_in.reply = {"content": [], "usage": {"input_tokens": 1, "output_tokens": 1}}
+
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+    provider.generate("p", 1, 5, CONTEXT)
+
+    assert stand_in.only_request().headers["x-api-key"] == KEY
+
+
+def test_key_is_read_from_the_systemd_credentials_directory(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "OPENAI_API_KEY").write_text(KEY)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    stand_in.reply = {"output": [], "usage": {"input_tokens": 1, "output_tokens": 1}}
+
+    provider = make_provider("openai", None, settings(openai_base_url=stand_in.url))
+    provider.generate("p", 1, 5, CONTEXT)
+
+    assert stand_in.only_request().headers["Authorization"] == f"Bearer {KEY}"
+
+
+def test_environment_key_wins_over_key_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "other").write_text("sk-from-file")
+    monkeypatch.setenv("ANTHROPIC_API_KEY_FILE", str(tmp_path / "other"))
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+
+    assert AnthropicProvider.credential.read() == KEY
+
+
+def test_unusable_key_file_is_refused_without_quoting_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    secret = tmp_path / "bad.key"
+    secret.write_text(f"{KEY}\nsecond line\n")
+    monkeypatch.setenv("OPENAI_API_KEY_FILE", str(secret))
+    with pytest.raises(Refusal, match="OPENAI_API_KEY_FILE") as bad:
+        make_provider("openai", None, settings())
+    assert KEY not in str(bad.value)
+
+    monkeypatch.setenv("OPENAI_API_KEY_FILE", str(tmp_path / "missing.key"))
+    with pytest.raises(Refusal, match="cannot be read"):
+        make_provider("openai", None, settings())
+
+
+def test_key_removed_after_start_fails_the_call_naming_only_the_variable(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+    monkeypatch.delenv("ANTHROPIC_API_KEY")
+
+    with pytest.raises(ProviderUnavailable, match="ANTHROPIC_API_KEY is not set"):
+        provider.generate("p", 1, 5, CONTEXT)
+    assert stand_in.received == []
+
+
+def test_key_reaches_neither_log_nor_audit_record_nor_organism(
+    stand_in: StandIn,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    stand_in.status = 401
+    stand_in.reply = {"error": {"message": f"Incorrect API key provided: {KEY}", "type": "x"}}
+    provider = make_provider("openai", None, settings(openai_base_url=stand_in.url))
+    caplog.set_level(logging.DEBUG)
+
+    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as broker:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(broker.socket_path))
+        client.sendall(b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 1\r\n\r\np")
+        answer = client.makefile("rb").read()
+        client.close()
+
+    assert answer.startswith(b"HTTP/1.1 502 ")
+    assert KEY.encode() not in answer
+    assert KEY not in caplog.text
+    assert "openai answered HTTP 401" in caplog.text
+    assert KEY not in broker.calls[0].model_dump_json()
+
+
+def test_provider_objects_never_show_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in KEY_VARIABLES:
+        monkeypatch.setenv(variable, KEY)
+    config = settings(
+        openai_compatible_base_url="http://127.0.0.1:1/v1",
+        model_input_usd_per_mtok=0,
+        model_output_usd_per_mtok=0,
+    )
+    for name in ("anthropic", "openai", "openai-compatible"):
+        provider = make_provider(name, "m" if name == "openai-compatible" else None, config)
+        assert KEY not in repr(provider)
+        assert KEY not in repr(vars(provider))
+        assert KEY not in repr(vars(type(provider)))
+
+
+# --- scripted ----------------------------------------------------------------------------
+
+
+def test_scripted_needs_no_key_and_has_fictitious_nominal_prices() -> None:
+    provider = make_provider("scripted", None, settings())
+
+    assert isinstance(provider, ScriptedProvider)
+    assert provider.model == "scripted"
+    assert provider.input_usd_per_mtok > 0 and provider.output_usd_per_mtok > 0
+
+
+def test_scripted_answers_the_committed_source_with_the_generation_marked() -> None:
+    provider = make_provider("scripted", None, settings())
+
+    reply = provider.generate("ignored prompt of 24 byte", 1000, 5, CONTEXT)
+    again = provider.generate("ignored prompt of 24 byte", 1000, 5, CONTEXT)
+
+    assert reply == again
+    assert reply.text == '(message "hi")\n;; scripted stand-in edit: generation 3\n'
+    assert reply.input_tokens == 7  # ceil(25 bytes / 4)
+    assert reply.output_tokens == -(-len(reply.text.encode()) // 4)
+
+
+def test_scripted_edit_replaces_its_marker_so_the_body_changes_but_does_not_grow() -> None:
+    first = scripted_body(CONTEXT)
+    second = scripted_body(CONTEXT.model_copy(update={"organism_source": first, "generation": 4}))
+
+    assert second == first.replace("generation 3", "generation 4")
+    assert scripted_body(CONTEXT.model_copy(update={"organism_source": "(a)"})).startswith(
+        "(a)\n;; "
+    )
+
+
+def test_scripted_answer_is_cut_at_the_granted_tokens() -> None:
+    provider = make_provider("scripted", None, settings())
+    long_context = CONTEXT.model_copy(update={"organism_source": "é" * 100})
+
+    reply = provider.generate("p", 3, 5, long_context)
+
+    assert reply.text == "é" * 6
+    assert reply.output_tokens == 3
+
+
+def test_scripted_latency_past_the_timeout_is_unavailable() -> None:
+    provider = make_provider("scripted", None, settings(scripted_latency_seconds=5))
+
+    with pytest.raises(ProviderUnavailable, match=r"no answer within 0\.2 s"):
+        provider.generate("p", 3, 0.2, CONTEXT)
+
+
+@pytest.mark.skipif(shutil.which("emacs") is None, reason="needs emacs")
+def test_scripted_body_stays_loadable_emacs_lisp(tmp_path: Path) -> None:
+    source = '(defvar organism-seen "a ) paren in a string")\n(setq organism-loaded t)'
+    body = tmp_path / "organism.el"
+    body.write_text(source)
+    for generation in (1, 2):
+        body.write_text(
+            scripted_body(
+                GenerationContext(
+                    lineage="demo", generation=generation, organism_source=body.read_text()
+                )
+            )
+        )
+
+    loaded = subprocess.run(
+        ["emacs", "-Q", "--batch", "-l", str(body), "--eval", "(princ organism-loaded)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout == "t"
+    assert body.read_text().count("scripted stand-in edit") == 1

@@ -1,0 +1,647 @@
+"""The model syscall over a real Unix socket: statuses, ledger, audit, manifest, and an
+Emacs Lisp client speaking the ABI as an organism does."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from worker.fleet.settings import Settings
+from worker.instrument.model.ledger import FRAMING_TOKENS
+from worker.instrument.model.prices import BUILTIN_PRICES, Prices
+from worker.instrument.model.providers import (
+    GenerationContext,
+    Provider,
+    ProviderReply,
+    ProviderUnavailable,
+    make_provider,
+)
+from worker.instrument.model.server import MAX_CONNECTIONS, ModelSocket, capabilities
+from worker.instrument.physics import Physics
+
+CONTEXT = GenerationContext(lineage="demo", generation=2, organism_source="(setq organism-ok t)\n")
+PRICES = Prices(input_usd_per_mtok=Decimal(2), output_usd_per_mtok=Decimal(10))
+
+
+class DoubleProvider(Provider):
+    """A provider that records what it was asked and answers or fails as told."""
+
+    name = "double"
+
+    def __init__(
+        self,
+        text: str = "the answer ✓",
+        usage: tuple[int, int] = (100, 20),
+        error: Exception | None = None,
+        delay_seconds: float = 0.0,
+    ) -> None:
+        super().__init__("double-model", PRICES)
+        self.text, self.usage, self.error, self.delay_seconds = text, usage, error, delay_seconds
+        self.asked: list[tuple[str, int, float, GenerationContext]] = []
+        self.answered = threading.Event()
+
+    def generate(
+        self, prompt: str, max_output_tokens: int, timeout: float, context: GenerationContext
+    ) -> ProviderReply:
+        self.asked.append((prompt, max_output_tokens, timeout, context))
+        time.sleep(self.delay_seconds)
+        self.answered.set()
+        if self.error is not None:
+            raise self.error
+        return ProviderReply(
+            text=self.text, input_tokens=self.usage[0], output_tokens=self.usage[1]
+        )
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("kernel", timeout=10)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.socket_path))
+
+
+def request(
+    broker: ModelSocket,
+    body: bytes = b"hello model",
+    headers: dict[str, str | bytes] | None = None,
+    method: str = "POST",
+    path: str = "/generate",
+) -> tuple[int, str, http.client.HTTPResponse]:
+    connection = UnixHTTPConnection(broker.socket_path)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, response.read().decode("utf-8"), response
+    finally:
+        connection.close()
+
+
+def raw_request(broker: ModelSocket, head: bytes, body: bytes = b"") -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(10)
+        client.connect(str(broker.socket_path))
+        client.sendall(head + body)
+        client.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+        return answer
+
+
+Serve = Callable[..., ModelSocket]
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """Start a broker on tmp_path/model.sock; stopped at teardown."""
+    with ExitStack() as stack:
+
+        def start(provider: Provider, physics: Physics | None = None) -> ModelSocket:
+            broker = ModelSocket(tmp_path / "model.sock", provider, physics or Physics(), CONTEXT)
+            return stack.enter_context(broker)
+
+        yield start
+
+
+def test_generate_answers_the_model_text_as_utf8_plain_text(serve: Serve) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider, Physics(max_output_tokens=500, model_timeout_seconds=7))
+
+    status, text, response = request(
+        broker, "prompt ✓".encode(), {"X-Ouroboros-Max-Output-Tokens": "321"}
+    )
+
+    assert (status, text) == (200, "the answer ✓")
+    assert response.getheader("Content-Type") == "text/plain; charset=utf-8"
+    assert provider.asked == [("prompt ✓", 321, 7, CONTEXT)]
+
+
+def test_absent_token_header_grants_the_physics_maximum(serve: Serve) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider, Physics(max_output_tokens=444))
+
+    status, _, _ = request(broker)
+
+    assert status == 200
+    assert provider.asked[0][1] == 444
+    assert broker.calls[0].requested_output_tokens == 444
+
+
+def test_successful_call_is_charged_its_usage_and_audited_in_full(serve: Serve) -> None:
+    broker = serve(DoubleProvider(usage=(100, 20)), Physics(max_output_tokens=50))
+    prompt = "prompt ✓".encode()
+
+    request(broker, prompt, {"X-Ouroboros-Max-Output-Tokens": "30"})
+
+    reserved = PRICES.cost_usd(len(prompt) + FRAMING_TOKENS, 30)
+    cost = PRICES.cost_usd(100, 20)
+    [call] = broker.calls
+    assert call.index == 1
+    assert call.status == 200
+    assert call.prompt == "prompt ✓"
+    assert call.prompt_sha256 == hashlib.sha256(prompt).hexdigest()
+    assert call.response == "the answer ✓"
+    assert call.response_sha256 == hashlib.sha256("the answer ✓".encode()).hexdigest()
+    assert (call.requested_output_tokens, call.input_tokens, call.output_tokens) == (30, 100, 20)
+    assert (call.reserved_usd, call.cost_usd) == (reserved, cost)
+    assert call.error is None
+    assert call.duration_seconds >= 0
+    assert call.started_at.tzinfo is not None
+    assert broker.spent_usd == cost
+
+
+def test_reported_usage_beyond_the_reservation_is_charged_only_the_reservation(
+    serve: Serve,
+) -> None:
+    broker = serve(DoubleProvider(usage=(10_000_000, 10_000_000)), Physics(budget_usd=50))
+
+    request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "10"})
+
+    [call] = broker.calls
+    assert call.cost_usd == call.reserved_usd == PRICES.cost_usd(1 + FRAMING_TOKENS, 10)
+    assert broker.spent_usd == call.reserved_usd
+
+
+@pytest.mark.parametrize(
+    "value", ["0", "-5", "abc", "1.5", "", "601", "99999999999999", "٣".encode()]
+)
+def test_invalid_token_header_is_400_and_the_model_is_not_called(
+    serve: Serve, value: str | bytes
+) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider, Physics(max_output_tokens=600))
+
+    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": value})
+
+    assert status == 400
+    assert "X-Ouroboros-Max-Output-Tokens must be one integer from 1 to 600" in text
+    assert provider.asked == []
+    [call] = broker.calls
+    assert (call.status, call.prompt, call.requested_output_tokens) == (400, "p", None)
+    assert call.cost_usd == call.reserved_usd == 0
+    assert broker.spent_usd == 0
+
+
+def test_repeated_token_header_is_400(serve: Serve) -> None:
+    broker = serve(DoubleProvider())
+    head = (
+        b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 1\r\n"
+        b"X-Ouroboros-Max-Output-Tokens: 5\r\nX-Ouroboros-Max-Output-Tokens: 6\r\n\r\n"
+    )
+
+    answer = raw_request(broker, head, b"p")
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
+
+
+def test_non_utf8_prompt_is_400_and_audited_with_the_raw_bytes_hash(serve: Serve) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider)
+    body = b"caf\xe9 \xff"
+
+    status, text, _ = request(broker, body)
+
+    assert (status, text) == (400, "the prompt is not valid UTF-8\n")
+    assert provider.asked == []
+    [call] = broker.calls
+    assert call.prompt_sha256 == hashlib.sha256(body).hexdigest()
+    assert call.prompt == body.decode("utf-8", errors="replace")
+    assert call.error == "the prompt is not valid UTF-8"
+
+
+def test_empty_prompt_is_400(serve: Serve) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider)
+
+    status, text, _ = request(broker, b"")
+
+    assert (status, text) == (400, "the prompt is empty\n")
+    assert provider.asked == []
+
+
+def test_prompt_over_the_limit_is_400_without_keeping_it(serve: Serve) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider, Physics(max_prompt_bytes=64))
+
+    at_limit, _, _ = request(broker, b"x" * 64)
+    status, text, _ = request(broker, b"x" * 65)
+
+    assert at_limit == 200
+    assert (status, text) == (400, "the prompt is over max_prompt_bytes (64 bytes)\n")
+    assert len(provider.asked) == 1
+    assert [call.status for call in broker.calls] == [200]
+
+
+def test_content_length_is_not_trusted_beyond_the_limit(serve: Serve) -> None:
+    broker = serve(DoubleProvider(), Physics(max_prompt_bytes=64))
+    head = b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 99999999999\r\n\r\n"
+
+    started = time.monotonic()
+    answer = raw_request(broker, head, b"short")
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert answer.endswith(b"the prompt is over max_prompt_bytes (64 bytes)\n")
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /generate HTTP/1.1\r\nHost: kernel\r\n\r\n",
+        b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 0x10\r\n\r\n",
+        b"POST /generate HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n",
+        b"POST /generate HTTP/1.1\r\nHost: k\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
+        b"POST /generate HTTP/1.1\r\nHost: kernel\r\nTransfer-Encoding: chunked\r\n\r\n",
+    ],
+)
+def test_missing_or_ambiguous_content_length_is_400(serve: Serve, head: bytes) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider)
+
+    answer = raw_request(broker, head, b"2\r\nhi\r\n0\r\n\r\n")
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert provider.asked == []
+    assert broker.calls == []
+
+
+def test_http11_request_without_host_is_400_naming_the_header(serve: Serve) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider)
+
+    answer = raw_request(broker, b"POST /generate HTTP/1.1\r\nContent-Length: 1\r\n\r\n", b"p")
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert b"Host" in answer.split(b"\r\n\r\n", 1)[1]
+    assert provider.asked == []
+    assert broker.calls == []
+
+
+def test_body_shorter_than_its_content_length_is_400(serve: Serve) -> None:
+    broker = serve(DoubleProvider())
+
+    head = b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 10\r\n\r\n"
+
+    answer = raw_request(broker, head, b"abc")
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert answer.endswith(b"the body ended before Content-Length bytes arrived\n")
+
+
+def test_unknown_path_is_404_and_wrong_method_is_405(serve: Serve) -> None:
+    broker = serve(DoubleProvider())
+
+    not_found, _, _ = request(broker, path="/v1/messages")
+    wrong_method, _, response = request(broker, method="GET", body=b"")
+
+    assert not_found == 404
+    assert wrong_method == 405
+    assert response.getheader("Allow") == "POST"
+    assert broker.calls == []
+
+
+def test_call_that_cannot_fit_the_budget_is_402_and_never_reaches_the_model(
+    serve: Serve,
+) -> None:
+    provider = DoubleProvider()
+    broker = serve(provider, Physics(budget_usd=Decimal("0.000100")))
+
+    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "1"})
+
+    assert status == 402
+    assert text.startswith("budget exhausted")
+    assert provider.asked == []
+    [call] = broker.calls
+    assert call.status == 402
+    assert call.reserved_usd == call.cost_usd == 0
+    assert "exceeds the remaining USD 0.000100" in (call.error or "")
+    assert broker.spent_usd == 0
+
+
+def test_budget_spent_by_earlier_calls_makes_a_later_one_402(serve: Serve) -> None:
+    # Worst cases: 100 output tokens USD 0.009194, 1 token USD 0.008204. The first call
+    # is charged USD 0.009, leaving 0.0085: room for the small call, not the large one.
+    broker = serve(DoubleProvider(usage=(4000, 100)), Physics(budget_usd=Decimal("0.0175")))
+
+    first, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "100"})
+    second, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "100"})
+    smaller, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "1"})
+
+    assert (first, second, smaller) == (200, 402, 200)
+    assert broker.spent_usd == sum((c.cost_usd for c in broker.calls), Decimal(0))
+    assert broker.spent_usd <= broker.physics.budget_usd
+
+
+def test_model_refusal_is_502_and_fully_refunded(serve: Serve) -> None:
+    broker = serve(DoubleProvider(error=ProviderUnavailable("double answered HTTP 529")))
+
+    status, text, _ = request(broker)
+
+    assert (status, text) == (502, "model unavailable\n")
+    [call] = broker.calls
+    assert call.status == 502
+    assert call.reserved_usd > 0
+    assert call.cost_usd == 0
+    assert call.response is None
+    assert call.error == "double answered HTTP 529"
+    assert broker.spent_usd == 0
+
+
+def test_answer_lost_after_the_model_got_the_request_is_502_and_keeps_the_reservation(
+    serve: Serve,
+) -> None:
+    failure = ProviderUnavailable("double connection lost", may_have_billed=True)
+    broker = serve(DoubleProvider(error=failure))
+
+    status, _, _ = request(broker)
+
+    [call] = broker.calls
+    assert status == 502
+    assert call.cost_usd == call.reserved_usd > 0
+    assert broker.spent_usd == call.reserved_usd
+
+
+def test_model_silent_past_the_request_timeout_is_502(serve: Serve) -> None:
+    broker = serve(DoubleProvider(delay_seconds=3), Physics(model_timeout_seconds=1))
+
+    started = time.monotonic()
+    status, text, _ = request(broker)
+
+    assert (status, text) == (502, "model unavailable\n")
+    assert time.monotonic() - started < 2.5
+    [call] = broker.calls
+    assert call.error == "no answer within 1 s"
+    assert call.cost_usd == call.reserved_usd
+
+
+def test_call_still_waiting_when_the_generation_ends_is_recorded_and_keeps_its_reservation(
+    tmp_path: Path,
+) -> None:
+    provider = DoubleProvider(delay_seconds=1)
+    broker = ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT)
+    statuses: list[int] = []
+    with broker:
+        caller = threading.Thread(target=lambda: statuses.append(request(broker)[0]))
+        caller.start()
+        while not provider.asked:
+            time.sleep(0.01)
+        started = time.monotonic()
+    assert time.monotonic() - started < 0.5  # exit does not wait for the model
+
+    [call] = broker.calls
+    assert call.status == 502
+    assert call.error == "the generation ended before the model answered"
+    assert call.cost_usd == call.reserved_usd > 0
+    assert broker.spent_usd == call.reserved_usd
+    provider.answered.wait(5)
+    caller.join(5)
+    assert statuses == [502]
+    assert len(broker.calls) == 1
+    assert broker.spent_usd == call.reserved_usd
+
+
+def test_provider_bug_is_502_not_a_dead_socket(serve: Serve) -> None:
+    broker = serve(DoubleProvider(error=KeyError("usage")))
+
+    status, _, _ = request(broker)
+    again, _, _ = request(broker)
+
+    assert (status, again) == (502, 502)
+    assert broker.calls[0].error == "double failed: KeyError"
+
+
+def test_answers_to_the_organism_never_name_provider_model_or_cost(serve: Serve) -> None:
+    broker = serve(DoubleProvider(error=ProviderUnavailable("double-model at http://x failed")))
+
+    texts = [
+        request(broker)[1],
+        request(broker, b"\xff")[1],
+        request(broker, headers={"X-Ouroboros-Max-Output-Tokens": "0"})[1],
+    ]
+
+    for text in texts:
+        assert "double" not in text and "http" not in text and "USD" not in text
+
+
+def test_lone_surrogates_from_a_vendor_are_repaired_for_socket_and_record(serve: Serve) -> None:
+    broker = serve(DoubleProvider(text="ok \ud800 end"))
+
+    status, text, _ = request(broker)
+
+    assert (status, text) == (200, "ok ? end")
+    assert broker.calls[0].response == "ok ? end"
+    broker.calls[0].model_dump_json()
+
+
+def test_concurrent_calls_are_each_audited_once_and_charged_exactly(serve: Serve) -> None:
+    broker = serve(DoubleProvider(delay_seconds=0.05), Physics(budget_usd=Decimal("0.4")))
+    statuses: list[int] = []
+
+    def call(number: int) -> None:
+        statuses.append(request(broker, f"prompt {number}".encode())[0])
+
+    # As many callers as the socket serves at once; one more would get the 503 refusal.
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(MAX_CONNECTIONS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    calls = broker.calls
+    assert sorted(statuses) == sorted(c.status for c in calls)
+    assert [c.index for c in calls] == list(range(1, MAX_CONNECTIONS + 1))
+    assert {c.prompt for c in calls} == {f"prompt {n}" for n in range(MAX_CONNECTIONS)}
+    # USD 0.4 holds 3 worst cases of 0.128 at a time: overlapping calls beyond that get 402.
+    assert set(statuses) <= {200, 402}
+    assert statuses.count(200) >= 3
+    assert broker.spent_usd == sum((c.cost_usd for c in calls), Decimal(0))
+    assert broker.spent_usd <= Decimal("0.4")
+
+
+def test_socket_is_private_to_the_worker_uid_and_removed_at_exit(tmp_path: Path) -> None:
+    path = tmp_path / "model.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()
+
+    with ModelSocket(path, DoubleProvider(), Physics(), CONTEXT) as broker:
+        assert stat.S_ISSOCK(path.stat().st_mode)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert request(broker)[0] == 200
+
+    assert not path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing the socket to another uid needs root")
+def test_socket_handed_to_the_sandbox_uid_stays_private_to_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.sock"
+
+    with ModelSocket(path, DoubleProvider(), Physics(), CONTEXT, owner=(65534, 65533)) as broker:
+        status = path.stat()
+        assert (status.st_uid, status.st_gid) == (65534, 65533)
+        assert stat.S_IMODE(status.st_mode) == 0o600
+        assert request(broker)[0] == 200
+
+    assert not path.exists()
+
+
+def test_scripted_provider_through_the_socket_answers_the_marked_source(serve: Serve) -> None:
+    broker = serve(make_provider("scripted", None, Settings()))
+
+    status, text, _ = request(broker, b"rewrite yourself")
+
+    assert status == 200
+    assert text == "(setq organism-ok t)\n;; scripted stand-in edit: generation 2\n"
+    assert broker.spent_usd == broker.calls[0].cost_usd > 0
+
+
+def test_capabilities_disclose_the_abi_and_physics_but_no_provider_model_price_or_key() -> None:
+    physics = Physics(max_prompt_bytes=1234, max_output_tokens=567, budget_usd=Decimal("0.25"))
+
+    manifest = capabilities(physics)
+    text = json.dumps(manifest)
+
+    generate = manifest["operations"]["generate"]
+    assert (generate["socket"], generate["method"], generate["path"]) == (
+        "/kernel/model.sock",
+        "POST",
+        "/generate",
+    )
+    assert "X-Ouroboros-Max-Output-Tokens" in generate["request"]["headers"]
+    assert set(generate["responses"]) == {"200", "400", "402", "429", "502"}
+    assert manifest["constraints"]["max_prompt_bytes"] == 1234
+    assert manifest["constraints"]["max_output_tokens"] == 567
+    assert manifest["constraints"]["budget_usd"] == "0.25"
+    forbidden = {"anthropic", "openai", "scripted", "claude", "gpt", "http://", "https://"}
+    forbidden |= {"api_key", "usd_per_mtok", "double-model"}
+    forbidden |= {model for table in BUILTIN_PRICES.values() for model in table}
+    for word in forbidden:
+        assert word not in text.lower(), word
+
+
+# --- the organism's side of the ABI, in Emacs Lisp ---------------------------------------
+
+ELISP_CLIENT = r"""
+(define-error 'organism-model-error "Model syscall failed")
+
+(defvar organism-model-socket "/kernel/model.sock"
+  "The kernel's model socket, as /kernel/capabilities.json names it.")
+
+(defun organism--generate (prompt max-tokens)
+  "Ask the kernel's model to answer PROMPT in at most MAX-TOKENS tokens.
+Return the answer as a string.  On any status but 200 signal
+`organism-model-error' with data (STATUS REASON)."
+  (let ((body (encode-coding-string prompt 'utf-8 t))
+        (buffer (generate-new-buffer " *organism-model*"))
+        (process nil))
+    (unwind-protect
+        (progn
+          (with-current-buffer buffer (set-buffer-multibyte nil))
+          ;; :sentinel #'ignore, or Emacs appends "Process ... connection broken
+          ;; by remote peer" to the answer when the kernel closes the socket.
+          (setq process (make-network-process
+                         :name "organism-model" :family 'local
+                         :service organism-model-socket
+                         :buffer buffer :coding 'binary :noquery t
+                         :sentinel #'ignore))
+          (process-send-string
+           process
+           (format (concat "POST /generate HTTP/1.1\r\nHost: kernel\r\n"
+                           "Content-Type: text/plain; charset=utf-8\r\n"
+                           "Content-Length: %d\r\n"
+                           "X-Ouroboros-Max-Output-Tokens: %d\r\n"
+                           "Connection: close\r\n\r\n")
+                   (length body) max-tokens))
+          (process-send-string process body)
+          (while (process-live-p process)
+            (accept-process-output process 1))
+          (with-current-buffer buffer
+            (goto-char (point-min))
+            (unless (looking-at "HTTP/1\\.[01] \\([0-9][0-9][0-9]\\)")
+              (signal 'organism-model-error (list 0 "malformed answer")))
+            (let ((status (string-to-number (match-string 1))))
+              (unless (search-forward "\r\n\r\n" nil t)
+                (signal 'organism-model-error (list status "malformed answer")))
+              (let ((text (decode-coding-string
+                           (buffer-substring-no-properties (point) (point-max))
+                           'utf-8 t)))
+                (if (= status 200)
+                    text
+                  (signal 'organism-model-error
+                          (list status (string-trim-right text))))))))
+      (when process (delete-process process))
+      (kill-buffer buffer))))
+"""
+
+
+def run_elisp_client(
+    broker: ModelSocket, tmp_path: Path, prompt_form: str, max_tokens: int
+) -> tuple[str, str]:
+    """Load the client in emacs -Q --batch, call it, return (answer file text, stdout)."""
+    client = tmp_path / "client.el"
+    client.write_text(ELISP_CLIENT, encoding="utf-8")
+    answer = tmp_path / "answer.txt"
+    program = f"""
+      (progn
+        (setq organism-model-socket {json.dumps(str(broker.socket_path))})
+        (condition-case err
+            (let ((coding-system-for-write 'utf-8))
+              (write-region (organism--generate {prompt_form} {max_tokens})
+                            nil {json.dumps(str(answer))}))
+          (organism-model-error (princ (format "%S" (cdr err))))))
+    """
+    done = subprocess.run(
+        ["emacs", "-Q", "--batch", "-l", str(client), "--eval", program],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return (answer.read_text(encoding="utf-8") if answer.exists() else ""), done.stdout
+
+
+needs_emacs = pytest.mark.skipif(shutil.which("emacs") is None, reason="needs emacs")
+
+
+@needs_emacs
+def test_emacs_lisp_organism_gets_the_model_answer_through_the_socket(
+    serve: Serve, tmp_path: Path
+) -> None:
+    provider = DoubleProvider(text='(setq next-body "é ✓")\n')
+    broker = serve(provider)
+
+    answer, printed = run_elisp_client(broker, tmp_path, '"réécris-toi ✓"', 77)
+
+    assert printed == ""
+    assert answer == '(setq next-body "é ✓")\n'
+    assert provider.asked[0][:2] == ("réécris-toi ✓", 77)
+
+
+@needs_emacs
+def test_emacs_lisp_organism_sees_error_status_and_reason(serve: Serve, tmp_path: Path) -> None:
+    broker = serve(DoubleProvider(), Physics(max_prompt_bytes=1000, budget_usd=Decimal(0)))
+
+    _, budget = run_elisp_client(broker, tmp_path, '"hi"', 5)
+    _, too_big = run_elisp_client(broker, tmp_path, "(make-string 300000 ?é)", 5)
+
+    assert budget.startswith('(402 "budget exhausted')
+    assert too_big == '(400 "the prompt is over max_prompt_bytes (1000 bytes)")'

@@ -1,0 +1,74 @@
+"""The fleet's Celery configuration, and a client app for whoever only sends or inspects.
+
+Owns the broker settings every Celery app of the fleet shares (JSON only, late acks,
+requeue on a lost pool child, prefetch 1, a visibility timeout above any life plus
+publication, connection retry, task events for Flower), the task and queue names,
+and ``send_job``. The scheduler, the web UI and the reconciler build a client app
+here, which loads no instrument: only ``worker.fleet.tasks`` (through
+``worker.celery``) builds the app that runs generations.
+
+Trusts: its settings and the broker.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Queue
+
+from worker.fleet.planner import Send
+from worker.fleet.settings import Settings
+from worker.instrument.job import GenerationJob
+
+GENERATION_TASK = "ouroboros.generation"
+RECONCILE_TASK = "ouroboros.reconcile"
+CONTROL_QUEUE = "ouroboros.control"
+# A soft time limit leaves this much of the hard one to clean up.
+SOFT_LIMIT_MARGIN_SECONDS = 30
+
+
+def client_app(settings: Settings) -> Celery:
+    """A Celery app bound to the fleet's broker, with no task of its own."""
+    app = Celery("ouroboros", broker=settings.broker, set_as_current=False)
+    app.conf.update(
+        accept_content=["json"],
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_concurrency=settings.concurrency,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_default_queue=CONTROL_QUEUE,
+        task_routes={RECONCILE_TASK: {"queue": CONTROL_QUEUE}},
+        beat_schedule={
+            "reconcile": {"task": RECONCILE_TASK, "schedule": settings.reconcile_interval_seconds}
+        },
+    )
+    return app
+
+
+def serve(app: Celery, instrument_queue: str) -> None:
+    """Make ``app`` consume its instrument's queue and the control queue."""
+    app.conf.task_queues = (Queue(instrument_queue), Queue(CONTROL_QUEUE))
+
+
+def sender(app: Celery) -> Send:
+    """The ``send`` of a Planner: one generation job onto its instrument's queue."""
+
+    def send_job(job: GenerationJob, job_id: str, queue: str, time_limit: int) -> None:
+        app.send_task(
+            GENERATION_TASK,
+            kwargs={"payload": job.model_dump(mode="json")},
+            task_id=job_id,
+            queue=queue,
+            time_limit=time_limit,
+            soft_time_limit=time_limit - SOFT_LIMIT_MARGIN_SECONDS,
+        )
+
+    return send_job

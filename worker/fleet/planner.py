@@ -1,0 +1,211 @@
+"""Planning: which generation each lineage should run next, and enqueueing it.
+
+Owns reading and writing run records in the store, the rule that at most one
+generation of a lineage is in flight, and sending the next job (through a ``send``
+callable, so the rules run without Celery). The pure rules of a run (its progress,
+why it stopped, its next job) are ``worker.fleet.runs``. Both the worker (right after a generation
+lands) and the reconciler (after a lost message, a Redis restart or a dead worker)
+plan through ``Planner.enqueue``; a duplicate it may cause is harmless.
+
+Trusts: the shared repository, the observation store and the broker.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import redis
+
+from worker.fleet import leases
+from worker.fleet.runs import (
+    Progress,
+    RunRecord,
+    hard_time_limit,
+    job_of,
+    new_run_id,
+    queue_of,
+    run_progress,
+)
+from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import LineageCache
+from worker.instrument.job import GenerationJob, GenerationReport
+from worker.instrument.keys import index_key, run_key, runs_prefix
+from worker.instrument.lineage import LineageMetadata, root_metadata
+from worker.instrument.names import BRANCH_PREFIX
+from worker.instrument.records import LineageIndex
+from worker.instrument.store import ObservationStore, StoreUnavailable
+
+Send = Callable[[GenerationJob, str, str, int], None]
+
+
+class Planner:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        store: ObservationStore,
+        cache: LineageCache,
+        client: redis.Redis,
+        send: Send,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.cache = cache
+        self.client = client
+        self.send = send
+
+    def lineages(self) -> list[str]:
+        """Every lineage branch in the shared repository."""
+        out = self.cache.ls_remote("refs/heads/*")
+        prefix = f"refs/heads/{BRANCH_PREFIX}"
+        return sorted(
+            line.split("\t")[1].removeprefix(prefix)
+            for line in out.splitlines()
+            if line.split("\t")[1].startswith(prefix)
+        )
+
+    def runs(self, lineage: str) -> list[RunRecord]:
+        keys = self.store.list(runs_prefix(lineage))
+        records = [RunRecord.model_validate_json(self.store.get(key) or b"{}") for key in keys]
+        return sorted(records, key=lambda run: (run.created_at, run.run_id))
+
+    def latest_run(self, lineage: str) -> RunRecord | None:
+        runs = self.runs(lineage)
+        return runs[-1] if runs else None
+
+    def save_run(self, run: RunRecord) -> None:
+        self.store.put(run_key(run.lineage, run.run_id), run.model_dump_json(indent=2).encode())
+
+    def index(self, lineage: str) -> LineageIndex:
+        return LineageIndex.parse(self.store.get(index_key(lineage)), lineage)
+
+    def generation_count(self, lineage: str, head: str) -> int:
+        return self.cache.history(lineage, head).generations
+
+    def progress(self, run: RunRecord, head: str) -> Progress:
+        return run_progress(
+            run, self.generation_count(run.lineage, head), self.index(run.lineage).generations
+        )
+
+    def start_run(
+        self,
+        lineage: str,
+        head: str,
+        generations: int,
+        provider: str,
+        model: str | None,
+        budget: Decimal,
+    ) -> RunRecord:
+        """Record a new run of ``lineage`` from ``head``; it replaces any active run."""
+        current = self.generation_count(lineage, head)
+        run = RunRecord(
+            run_id=new_run_id(),
+            lineage=lineage,
+            created_at=datetime.now(UTC),
+            start_generation=current,
+            target_generation=current + generations,
+            provider=provider,
+            model=model,
+            budget_usd=budget,
+        )
+        previous = self.latest_run(lineage)
+        if previous is not None and previous.status == "active":
+            # At most one run drives a lineage: the old one ends where the new one starts.
+            self.save_run(
+                previous.model_copy(update={"status": "cancelled", "cancelled_at": run.created_at})
+            )
+        self.save_run(run)
+        return run
+
+    def cancel(self, lineage: str) -> RunRecord | None:
+        run = self.latest_run(lineage)
+        if run is None or run.status != "active":
+            return None
+        leases.request_cancel(
+            self.client, lineage, run.run_id, self.settings.visibility_timeout_seconds
+        )
+        cancelled = run.model_copy(
+            update={"status": "cancelled", "cancelled_at": datetime.now(UTC)}
+        )
+        self.save_run(cancelled)
+        return cancelled
+
+    def plan(self, lineage: str) -> GenerationJob | None:
+        """The next job of ``lineage`` from its durable run record (the reconciler's view)."""
+        run = self.latest_run(lineage)
+        if run is None or run.status != "active":
+            return None
+        head = self.cache.fetch(lineage)
+        if head is None:
+            return None
+        progress = self.progress(run, head)
+        if progress.stopped:
+            return None
+        return job_of(run, head, progress.remaining_usd)
+
+    def follow_up(self, job: GenerationJob, report: GenerationReport) -> GenerationJob | None:
+        """The job after ``job``, from the message alone: a down store does not stop a run."""
+        if job.run_id is None or job.target_generation is None or job.budget_usd is None:
+            return None
+        remaining = job.budget_usd - report.spent_usd
+        if report.generation >= job.target_generation or remaining <= 0:
+            return None
+        if report.run_budget_exhausted:
+            return None
+        if leases.cancel_requested(self.client, job.lineage, job.run_id):
+            return None
+        try:
+            run = self.latest_run(job.lineage)
+        except StoreUnavailable:
+            run = None  # unknown: the Redis cancel flag above is the fast path meanwhile
+        else:
+            if run is None or run.run_id != job.run_id or run.status != "active":
+                return None
+        return job.model_copy(
+            update={
+                "expected_commit": report.commit,
+                "budget_usd": remaining,
+                "enqueued_at": datetime.now(UTC),
+            }
+        )
+
+    def require_deliverable(self, meta: LineageMetadata) -> None:
+        """Refuse a lineage whose life could outlast the broker's visibility timeout."""
+        if hard_time_limit(meta) >= self.settings.visibility_timeout_seconds:
+            # The broker would hand the job to a second worker while the first still runs.
+            raise Refusal(
+                f"lineage {meta.name} lives up to {hard_time_limit(meta)} s with publication, "
+                f"not under OUROBOROS_VISIBILITY_TIMEOUT_SECONDS="
+                f"{self.settings.visibility_timeout_seconds}; raise that setting on every host"
+            )
+
+    def submit(self, job: GenerationJob) -> bool:
+        """Claim the lineage's in-flight slot and send ``job`` to its instrument's queue."""
+        meta = root_metadata(self.cache, job.expected_commit, job.lineage)
+        self.require_deliverable(meta)
+        job_id = f"{job.lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
+        if not leases.mark_in_flight(
+            self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds
+        ):
+            return False
+        self.send(job, job_id, queue_of(meta), hard_time_limit(meta))
+        return True
+
+    def enqueue(self, lineage: str, job: GenerationJob | None = None) -> GenerationJob | None:
+        """Enqueue ``job`` (or the planned next one) unless one is in flight or blocked."""
+        if (
+            leases.in_flight(self.client, lineage)
+            or leases.lease_held(self.client, lineage)
+            or leases.blocked(self.client, lineage)
+        ):
+            return None
+        job = job or self.plan(lineage)
+        return job if job is not None and self.submit(job) else None
+
+    def reconcile(self) -> list[str]:
+        """Enqueue every lineage whose run wants more and has nothing in flight."""
+        return [lineage for lineage in self.lineages() if self.enqueue(lineage) is not None]

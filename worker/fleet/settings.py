@@ -1,0 +1,75 @@
+"""The fleet's configuration: the instrument's settings plus the plumbing, prefix ``OUROBOROS_``.
+
+Owns every setting a worker, the scheduler or the web UI reads beyond those of the
+instrument (``worker.instrument.settings``): where the fleet's services are (broker,
+shared repository, observation store), local paths, concurrency, and the delivery
+and recovery timings. None of these decide or record a generation, so this module
+is not fingerprinted: a queueing fix never forces a lineage to start over. With
+nothing configured, everything lives under ``OUROBOROS_HOME`` (default
+``./.ouroboros/``): a bare repository ``lineages.git``, a ``file://`` observation
+store and a private Redis socket.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from worker.instrument.settings import InstrumentSettings
+
+
+class Settings(InstrumentSettings):
+    """Every OUROBOROS_* setting. Paths left empty are derived from ``home``."""
+
+    home: Path = Path(".ouroboros")
+    broker_url: str = ""
+    lineage_repo: str = ""
+    observations: str = ""
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_path_style: bool = True
+    concurrency: int = Field(1, ge=1, le=256)
+    state_dir: Path | None = None
+    fleet_version: str | None = None
+    visibility_timeout_seconds: int = Field(7200, ge=10)
+    inflight_ttl_seconds: int = Field(3600, ge=5)
+    lease_seconds: int = Field(60, ge=3)
+    reconcile_interval_seconds: float = Field(30.0, ge=0.2)
+    spool_retry_seconds: float = Field(30.0, ge=0.2)
+    web_host: str = "127.0.0.1"
+    web_port: int = Field(8765, ge=1, le=65535)
+
+    @field_validator("observations")
+    @classmethod
+    def _known_store_scheme(cls, value: str) -> str:
+        if value and not value.startswith(("file://", "s3://")):
+            raise ValueError(
+                f"{value!r} is not an observation store URL; use file:///path or s3://bucket/prefix"
+            )
+        return value
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def redis_socket(self) -> Path:
+        """The embedded Redis's private Unix socket (used when no broker URL is set)."""
+        return self.home_dir / "redis" / "redis.sock"
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or f"redis+socket://{self.redis_socket}"
+
+    @property
+    def lineage_repo_url(self) -> str:
+        return self.lineage_repo or str(self.home_dir / "lineages.git")
+
+    @property
+    def observations_url(self) -> str:
+        return self.observations or (self.home_dir / "observations").as_uri()
+
+    @property
+    def state_path(self) -> Path:
+        return (self.state_dir or self.home_dir / "state").expanduser().resolve()

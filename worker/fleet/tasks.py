@@ -1,0 +1,158 @@
+"""The worker's Celery app: the generation and reconcile tasks and the worker's start-up.
+
+Owns ``worker_app``, which ``worker.celery`` calls once to build the app that
+``celery -A worker worker`` runs: the client configuration of ``worker.fleet.app``,
+the queues this worker serves (its own instrument's ``gen.<fingerprint12>`` and the
+control queue), the generation task (validate the payload, hold the lineage's lease
+while the pipeline runs, then plan what comes next), the reconcile task that beat
+schedules, and the start-up preflight (a working ceiling, the spool drained).
+
+Trusts: its settings, its instrument and the broker. Trusts no message: a payload
+that is not a valid job is rejected with a logged reason and the worker serves on.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from functools import cache
+
+from celery import Celery, Task, signals
+from pydantic import ValidationError
+
+from worker.fleet import embedded_redis, leases
+from worker.fleet.app import GENERATION_TASK, RECONCILE_TASK, client_app, sender, serve
+from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
+from worker.fleet.planner import Planner
+from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal, StaleJob
+from worker.instrument.fingerprint import Instrument
+from worker.instrument.job import GenerationJob, GenerationReport
+from worker.instrument.pipeline import Pipeline
+from worker.instrument.store import StoreUnavailable
+
+BLOCKED_SECONDS = 300
+
+log = logging.getLogger("ouroboros.worker")
+
+
+def worker_app(settings: Settings, instrument: Instrument) -> Celery:
+    """The app of a sandbox host: its tasks, its queues and its start-up, for ``instrument``."""
+    app = client_app(settings)
+    serve(app, instrument.queue)
+
+    @cache
+    def pipeline() -> Pipeline:
+        return build_pipeline(settings)
+
+    @cache
+    def planner() -> Planner:
+        return Planner(
+            settings=settings,
+            store=observation_store(settings),
+            cache=lineage_cache(settings),
+            client=leases.redis_client(settings),
+            send=sender(app),
+        )
+
+    @app.task(name=GENERATION_TASK, bind=True)
+    def generation(self: Task, payload: object = None) -> str:
+        """Run one generation; then plan the lineage's next one."""
+        request = self.request
+        job = _job(payload, request.id)
+        if job is None:
+            return "rejected"
+        client = leases.redis_client(settings)
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        attempt = 1 + request.retries + int(redelivered)
+        report = None
+        try:
+            with leases.holding(client, job.lineage, request.id, settings.lease_seconds):
+                report = pipeline().run(job, task_id=request.id, attempt=attempt)
+        except leases.LeaseBusy:
+            log.info("%s: another worker holds the lease; not running %s", job.lineage, request.id)
+            return "busy"
+        except StaleJob as exc:
+            log.info("stale job %s: %s", request.id, exc)
+        except Refusal as exc:
+            log.error("%s cannot advance here: %s", job.lineage, exc)
+            leases.block(client, job.lineage, str(exc), BLOCKED_SECONDS)
+            _plan_next(planner(), job, None)
+            return "refused"
+        _plan_next(planner(), job, report)
+        if report is None:
+            return "stale"
+        log.info("%s gen %d: %s %s", job.lineage, report.generation, report.outcome, report.commit)
+        return report.outcome
+
+    @app.task(name=RECONCILE_TASK)
+    def reconcile() -> list[str]:
+        """Re-enqueue every lineage whose run wants more and has nothing in flight."""
+        return planner().reconcile()
+
+    @signals.worker_init.connect(weak=False)
+    def preflight(**_: object) -> None:
+        """Refuse to start without a working ceiling; finish publications a crash left."""
+        try:
+            embedded_redis.ensure(settings)
+            remaining = pipeline().drain()
+        except Refusal as exc:
+            log.critical("refusing to start: %s", exc)
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        log.info(
+            "instrument %s (version %s) serving queue %s; %d publications pending",
+            instrument.fingerprint[:12],
+            instrument.version,
+            instrument.queue,
+            remaining,
+        )
+        threading.Thread(
+            target=_drain_forever, args=(pipeline, settings), name="spool-drain", daemon=True
+        ).start()
+
+    @signals.worker_process_init.connect(weak=False)
+    def fresh_clients(**_: object) -> None:
+        # A pool child must not share the parent's sockets (S3, Redis): build its own.
+        pipeline.cache_clear()
+        planner.cache_clear()
+
+    return app
+
+
+def _job(payload: object, task_id: str) -> GenerationJob | None:
+    """The payload as a job, or None (logged with its reasons) when it is not one."""
+    try:
+        return GenerationJob.model_validate(payload)
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors()[:5]
+        )
+        log.error("rejected malformed job %s: %s", task_id, reasons)
+        return None
+
+
+def _plan_next(planner: Planner, job: GenerationJob, report: GenerationReport | None) -> None:
+    """Send the lineage's next job: the follow-up of a landed one, else what the record says."""
+    follow = planner.follow_up(job, report) if report else None
+    try:
+        if follow is not None:
+            planner.submit(follow)
+        else:
+            # Stale, refused elsewhere, finished, or superseded by a newer run: ask the
+            # durable record what (if anything) comes next.
+            planner.enqueue(job.lineage)
+    except StoreUnavailable as exc:
+        log.warning("%s: cannot plan now (%s); the reconciler will", job.lineage, exc)
+
+
+def _drain_forever(pipeline: Callable[[], Pipeline], settings: Settings) -> None:
+    while True:
+        time.sleep(settings.spool_retry_seconds)
+        try:
+            pipeline().drain()
+        except Exception:  # keep retrying: the spool is the only copy until it lands
+            log.exception("spool drain failed; retrying in %ss", settings.spool_retry_seconds)

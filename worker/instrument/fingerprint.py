@@ -1,0 +1,167 @@
+"""The immutable runtime: what this worker process is, fixed at start.
+
+Owns the rule that the trusted instrument is every module in ``worker/instrument/``
+(fingerprinted by being there: there is no list to keep), loading them and the
+fleet plumbing in ``worker/fleet/`` eagerly, the in-memory copies of the sandbox
+scripts and the seed organism, the instrument fingerprint (sha256 over exactly the
+bytes loaded), the instrument version and commit, and the fleet-version check.
+After ``Instrument.load()`` the worker never reads its own code from disk again, so
+editing files under a running worker changes nothing it does; a restarted worker
+with different bytes has a different fingerprint and serves a different queue.
+
+Trusts: the files of its own package at load time, and the environment for
+``OUROBOROS_FLEET_VERSION`` / ``OUROBOROS_INSTRUMENT_COMMIT``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from functools import cache
+from importlib import metadata, resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from worker.instrument.errors import Refusal
+from worker.instrument.names import COMMIT_PATTERN, ORGANISM_PATH, queue_name
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+INSTRUMENT_PACKAGE = "worker.instrument"
+# Fleet plumbing, loaded eagerly too (so editing it on disk changes nothing a running
+# worker does) but not fingerprinted: queues and leases are not physics, and a fix to
+# them must not force every lineage to start over. ``worker.celery`` is the entry
+# point that loads the instrument, so it is loaded already.
+FLEET_PACKAGE = "worker.fleet"
+SANDBOX_SCRIPTS: tuple[str, ...] = ("stage.sh",)
+SEED_NAME = ORGANISM_PATH
+_COMMIT = re.compile(COMMIT_PATTERN)
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("ouroboros-fleet")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+class Instrument(BaseModel):
+    """The identity and in-memory assets of the running instrument."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fingerprint: str
+    version: str
+    scripts: dict[str, bytes]
+    seed: bytes
+    sources: dict[str, int]
+
+    @property
+    def queue(self) -> str:
+        """The Celery queue of this instrument: hosts with other code never serve it."""
+        return queue_name(self.fingerprint)
+
+    @classmethod
+    def load(cls) -> Instrument:
+        """Import every trusted module, read scripts and seed, and fingerprint the bytes."""
+        sys.dont_write_bytecode = True
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+        digest = hashlib.sha256()
+        sizes: dict[str, int] = {}
+        for name in package_modules(FLEET_PACKAGE):
+            importlib.import_module(name)
+        for name in package_modules(INSTRUMENT_PACKAGE):
+            module = importlib.import_module(name)
+            path = Path(module.__file__ or "")
+            data = path.read_bytes()
+            _absorb(digest, f"module:{name}", data)
+            sizes[name] = len(data)
+        scripts = {}
+        for script in SANDBOX_SCRIPTS:
+            data = resources.files("sandbox_scripts").joinpath(script).read_bytes()
+            _absorb(digest, f"script:{script}", data)
+            scripts[script] = data
+        # worker/organism.el links to the top-level seed in a checkout and is a copy in a wheel.
+        seed = resources.files("worker").joinpath(SEED_NAME).read_bytes()
+        _absorb(digest, f"seed:{SEED_NAME}", seed)
+        version = package_version()
+        check_fleet_version(version)
+        return cls(
+            fingerprint=digest.hexdigest(),
+            version=version,
+            scripts=scripts,
+            seed=seed,
+            sources=sizes,
+        )
+
+
+def package_modules(package: str) -> list[str]:
+    """Every module in a package's folder, the package itself first, in a stable order."""
+    root = importlib.import_module(package)
+    found = pkgutil.walk_packages(root.__path__, prefix=f"{package}.")
+    return [package, *sorted(info.name for info in found)]
+
+
+def _absorb(digest: hashlib._Hash, label: str, data: bytes) -> None:
+    # Length-prefixed so that moving bytes between two files changes the fingerprint.
+    digest.update(f"{label}\0{len(data)}\0".encode())
+    digest.update(data)
+
+
+def check_fleet_version(version: str) -> None:
+    wanted = os.environ.get("OUROBOROS_FLEET_VERSION")
+    if wanted and wanted != version:
+        raise Refusal(
+            f"OUROBOROS_FLEET_VERSION={wanted} but this package is version {version}; "
+            "install the matching release or unset OUROBOROS_FLEET_VERSION"
+        )
+
+
+@cache
+def current() -> Instrument:
+    """The instrument of this process, loaded once."""
+    return Instrument.load()
+
+
+def instrument_commit(configured: str | None) -> str:
+    """The commit of the instrument's source: configured, or the clean checkout's HEAD."""
+    if configured:
+        commit = configured.strip().lower()
+        if not _COMMIT.match(commit):
+            raise Refusal(
+                f"OUROBOROS_INSTRUMENT_COMMIT={configured!r} is not a 40- or 64-hex commit id"
+            )
+        return commit
+    git = ["git", "-C", str(PACKAGE_ROOT)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        raise Refusal(
+            "the instrument is not a git checkout; set OUROBOROS_INSTRUMENT_COMMIT "
+            "to the commit it was built from"
+        )
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    if dirty.stdout.strip():
+        raise Refusal(
+            f"the instrument checkout {PACKAGE_ROOT} has uncommitted tracked changes; "
+            "commit them (a lineage must name the exact code it ran under)"
+        )
+    return head.stdout.strip()
+
+
+def instrument_provenance() -> tuple[str, str]:
+    """Repository URL and ref of the checkout, best effort (provenance only)."""
+    git = ["git", "-C", str(PACKAGE_ROOT)]
+    remote = subprocess.run([*git, "remote", "get-url", "origin"], capture_output=True, text=True)
+    ref = subprocess.run([*git, "symbolic-ref", "-q", "HEAD"], capture_output=True, text=True)
+    return (remote.stdout.strip() or str(PACKAGE_ROOT), ref.stdout.strip() or "detached")

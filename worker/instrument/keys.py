@@ -1,0 +1,36 @@
+"""The observation store's key layout, defined once for writers and readers.
+
+Owns where each record lives under a store's prefix::
+
+    lineages/<name>/metadata.json
+    lineages/<name>/generations/000001.json     (one write-once object per generation)
+    lineages/<name>/index.json                  (derived: rebuildable from the above)
+    lineages/<name>/runs/<run-id>.json
+
+Generation numbers are zero-padded so that a plain listing sorts them in order.
+Pure functions; the store validates every key before any backend sees it.
+"""
+
+from __future__ import annotations
+
+LINEAGES_PREFIX = "lineages/"
+
+
+def metadata_key(lineage: str) -> str:
+    return f"{LINEAGES_PREFIX}{lineage}/metadata.json"
+
+
+def generation_key(lineage: str, generation: int) -> str:
+    return f"{LINEAGES_PREFIX}{lineage}/generations/{generation:06d}.json"
+
+
+def index_key(lineage: str) -> str:
+    return f"{LINEAGES_PREFIX}{lineage}/index.json"
+
+
+def runs_prefix(lineage: str) -> str:
+    return f"{LINEAGES_PREFIX}{lineage}/runs/"
+
+
+def run_key(lineage: str, run_id: str) -> str:
+    return f"{runs_prefix(lineage)}{run_id}.json"

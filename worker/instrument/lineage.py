@@ -1,0 +1,171 @@
+"""Lineage identity: names, the root metadata file, creation and validation.
+
+Owns the schema of ``.ouroboros-lineage.json`` (written once, in the seed commit),
+the rules for lineage names, creating a lineage (seed commit on ``lineage-NAME`` in
+the shared bare repository plus the metadata object in the observation store) and
+checking that a worker may continue a lineage: schema, instrument fingerprint,
+version and commit must all equal the worker's own, because a lineage is never
+continued under different physics.
+
+Trusts: the instrument identity it is given. Treats the metadata read back from a
+lineage as untrusted input (validated with pydantic).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from datetime import UTC, datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from worker.instrument.errors import Refusal
+from worker.instrument.fingerprint import Instrument
+from worker.instrument.gitrepo import Entry, LineageCache, ensure_shared_repo
+from worker.instrument.keys import metadata_key
+from worker.instrument.names import (
+    COMMIT_PATTERN,
+    JOURNAL_PATH,
+    LINEAGE_NAME_PATTERN,
+    METADATA_PATH,
+    ORGANISM_PATH,
+)
+from worker.instrument.physics import Physics
+from worker.instrument.store import ObservationStore
+
+SCHEMA = "ouroboros-fleet-lineage/v1"
+NAME_PATTERN = re.compile(LINEAGE_NAME_PATTERN)
+
+
+class LineageMetadata(BaseModel):
+    """The lineage root: who may continue it and under which physics."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_name: Literal["ouroboros-fleet-lineage/v1"] = Field(SCHEMA, alias="schema")
+    name: str = Field(pattern=NAME_PATTERN.pattern)
+    created_at: datetime
+    instrument_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
+    instrument_version: str
+    instrument_commit: str = Field(pattern=COMMIT_PATTERN)
+    instrument_repository: str
+    instrument_ref: str
+    seed_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    physics: Physics
+
+    def to_json(self) -> bytes:
+        return (self.model_dump_json(by_alias=True, indent=2) + "\n").encode()
+
+
+def check_name(name: str) -> str:
+    if not NAME_PATTERN.fullmatch(name):
+        raise Refusal(
+            f"invalid lineage name {name!r}: use 1-63 characters from a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def parse_metadata(raw: bytes | None, lineage: str) -> LineageMetadata:
+    if raw is None:
+        raise Refusal(
+            f"lineage {lineage} has no {METADATA_PATH} in its seed commit; it was not created "
+            "by this fleet (import it for browsing, or start a new lineage)"
+        )
+    try:
+        return LineageMetadata.model_validate_json(raw)
+    except ValidationError as exc:
+        raise Refusal(
+            f"lineage {lineage} has an unreadable {METADATA_PATH} ({exc.error_count()} errors); "
+            "start a new lineage"
+        ) from None
+
+
+def check_continuable(meta: LineageMetadata, instrument: Instrument, commit: str) -> None:
+    """Refuse to continue a lineage under an instrument other than the one that seeded it."""
+    if meta.instrument_fingerprint != instrument.fingerprint:
+        raise Refusal(
+            f"lineage {meta.name}: instrument fingerprint differs "
+            f"({meta.instrument_fingerprint[:12]} pinned, {instrument.fingerprint[:12]} here); "
+            "its physics would change - start a new lineage"
+        )
+    if meta.instrument_version != instrument.version:
+        raise Refusal(
+            f"lineage {meta.name}: instrument version differs ({meta.instrument_version} pinned, "
+            f"{instrument.version} here); start a new lineage"
+        )
+    if meta.instrument_commit != commit:
+        raise Refusal(
+            f"lineage {meta.name}: instrument commit differs ({meta.instrument_commit[:12]} "
+            f"pinned, {commit[:12]} here); start a new lineage"
+        )
+
+
+def root_metadata(cache: LineageCache, head: str, lineage: str) -> LineageMetadata:
+    """The metadata of the lineage's root commit (out-of-loop commits cannot alter it)."""
+    return _metadata_at(cache, cache.history(lineage, head).root, lineage)
+
+
+@lru_cache(maxsize=4096)
+def _metadata_at(cache: LineageCache, root: str, lineage: str) -> LineageMetadata:
+    # A commit id names its content for good, so the parsed metadata never goes stale.
+    return parse_metadata(cache.read_blob(root, METADATA_PATH), lineage)
+
+
+def create_lineage(
+    *,
+    name: str,
+    seed: bytes,
+    physics: Physics,
+    instrument: Instrument,
+    commit: str,
+    repository: str,
+    ref: str,
+    repo_url: str,
+    cache: LineageCache,
+    store: ObservationStore,
+) -> LineageMetadata:
+    """Create ``lineage-NAME`` with its seed commit, then its metadata object."""
+    check_name(name)
+    ensure_shared_repo(repo_url)
+    if cache.fetch(name) is not None:
+        raise Refusal(f"lineage {name} already exists; choose another name")
+    if store.get(metadata_key(name)) is not None:
+        # Its write-once observations would shadow the new lineage's forever.
+        raise Refusal(
+            f"the observation store still holds records of an earlier lineage {name} "
+            f"({store.url}); choose another name"
+        )
+    meta = LineageMetadata(
+        name=name,
+        created_at=datetime.now(UTC),
+        instrument_fingerprint=instrument.fingerprint,
+        instrument_version=instrument.version,
+        instrument_commit=commit,
+        instrument_repository=repository,
+        instrument_ref=ref,
+        seed_sha256=hashlib.sha256(seed).hexdigest(),
+        physics=physics,
+    )
+    entries = {
+        ORGANISM_PATH: Entry("100644", cache.hash_bytes(seed)),
+        JOURNAL_PATH: Entry("100644", cache.hash_bytes(b"")),
+        METADATA_PATH: Entry("100644", cache.hash_bytes(meta.to_json())),
+    }
+    seed_commit = cache.commit(None, entries, "seed")
+    if not cache.push_cas(name, seed_commit, None):
+        raise Refusal(f"lineage {name} already exists; choose another name")
+    store.put(metadata_key(name), meta.to_json())
+    return meta
+
+
+def read_seed(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise Refusal(
+            f"cannot read seed {path}: {exc.strerror}; pass a readable --seed FILE"
+        ) from None

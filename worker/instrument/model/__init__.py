@@ -1,0 +1,9 @@
+"""The model socket: the only way an organism reaches a language model.
+
+Owns, per generation, the socket server and its provider-neutral ABI (``server``),
+the capability manifest (``server.capabilities``), the spending ledger (``ledger``),
+the provider translations (``providers``) and their catalogue (``catalogue``), prices
+(``prices``) and keys (``credentials``). The sandbox sees the socket and the
+manifest; everything else stays on the trusted side. Importing this package loads
+nothing: callers import the module they need.
+"""

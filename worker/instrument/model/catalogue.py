@@ -1,0 +1,28 @@
+"""The catalogue of model providers: their names, default models and the settings naming them.
+
+Owns the one list of provider names that the job contract, the CLI and the
+providers share, and the refusal of a name not on it. Pure data: importing it costs
+nothing and reaches no vendor.
+"""
+
+from __future__ import annotations
+
+from worker.instrument.errors import Refusal
+
+PROVIDER_SETTING = "OUROBOROS_MODEL_PROVIDER"
+MODEL_SETTING = "OUROBOROS_MODEL_NAME"
+PROVIDER_NAMES: tuple[str, ...] = ("anthropic", "openai", "openai-compatible", "scripted")
+DEFAULT_MODELS: dict[str, str] = {
+    "anthropic": "claude-opus-4-8",
+    "openai": "gpt-5.6",
+    "scripted": "scripted",
+}
+
+
+def require_known(name: str) -> None:
+    """Refuse a provider name this instrument does not know, naming the setting."""
+    if name not in PROVIDER_NAMES:
+        raise Refusal(
+            f"unknown model provider {name!r}: set {PROVIDER_SETTING} or --provider to "
+            f"one of {', '.join(PROVIDER_NAMES)}"
+        )

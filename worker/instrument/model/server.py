@@ -1,0 +1,735 @@
+"""The model syscall: an HTTP server on the generation's Unix socket, and its manifest.
+
+Owns the provider-neutral ABI (``POST /generate``, raw UTF-8 prompt in, raw UTF-8
+text out; 400 invalid request, 402 budget exhausted, 502 model unavailable), the
+capability manifest that discloses it with the effective constraints and limits, and
+the audit record of every call. One ModelSocket serves one generation: it binds the
+socket, serves it from one asyncio event loop in one thread (HTTP/1.1 framing by h11,
+which does no I/O), runs provider calls on at most MAX_CONNECTIONS daemon threads,
+reserves and settles each call in the generation's ledger, and at the end closes
+every connection and removes the socket.
+
+The client is the organism, which may be hostile, so what one generation's socket can
+hold is bounded, whatever the client does:
+
+- MAX_CONNECTIONS connections at once; one more is answered 503 at once and closed,
+  so nothing waits for a free connection;
+- a request line and headers of at most MAX_HEAD_BYTES, else 431 and closed;
+- REQUEST_SECONDS from connecting to the last byte of the request, else 408 and
+  closed (a deadline for the whole request, not per read, so dripping bytes does not
+  extend it);
+- ANSWER_SECONDS for the client to take its answer, else closed;
+- one request per connection; a body is kept only up to max_prompt_bytes.
+
+Trusts: the provider, physics and context it is given. Trusts nothing from the
+socket: sizes, headers and encodings are checked. Answers to the organism never name
+a provider, model, price or credential; the detail goes to the audit record only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from http import HTTPStatus
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import h11
+
+from worker.instrument.model.ledger import BudgetExhausted, Ledger, Reservation
+from worker.instrument.model.prices import Prices
+from worker.instrument.model.providers import (
+    GenerationContext,
+    Provider,
+    ProviderReply,
+    ProviderUnavailable,
+)
+from worker.instrument.physics import Physics
+from worker.instrument.records import ModelCall
+
+logger = logging.getLogger(__name__)
+
+CAPABILITIES_SCHEMA = "ouroboros-capabilities/v1"
+SANDBOX_SOCKET = "/kernel/model.sock"
+SANDBOX_JOURNAL = "/kernel/journal.md"
+GENERATE_PATH = "/generate"
+MAX_TOKENS_HEADER = "X-Ouroboros-Max-Output-Tokens"
+_DECIMAL_INTEGER = re.compile(rb"[0-9]{1,12}")
+DISCARD_CAP_BYTES = 16 * 1024 * 1024
+
+MAX_CONNECTIONS = 8
+MAX_HEAD_BYTES = 16 * 1024
+REQUEST_SECONDS = 10
+ANSWER_SECONDS = 10
+# What one life may make the worker keep: its calls are audited in the worker's memory
+# and written whole into the observation, outside the sandbox's memory ceiling.
+MAX_CALLS = 1000
+AUDIT_TEXT_BYTES = 32 * 1024 * 1024
+# Connects not yet accepted. One that finds the backlog full fails with EAGAIN (when
+# non-blocking) instead of getting the 503, so it must hold a burst of callers (an
+# organism may start tasks_max, 64 by default) while the loop is busy.
+LISTEN_BACKLOG = 128
+RECEIVE_BYTES = 64 * 1024
+ACCEPT_RETRY_SECONDS = 0.1
+
+BUDGET_EXHAUSTED = "budget exhausted: what is left cannot cover this call's worst case"
+MODEL_UNAVAILABLE = "model unavailable"
+ABANDONED = "the generation ended before the model answered"
+BUSY = f"busy: at most {MAX_CONNECTIONS} connections at once; try again when one has ended"
+HEAD_TOO_LONG = f"the request line and headers are over {MAX_HEAD_BYTES} bytes"
+CALL_LIMIT = f"call limit: at most {MAX_CALLS} calls per generation; nothing was sent"
+
+
+def capabilities(physics: Physics) -> dict[str, Any]:
+    """The manifest for /kernel/capabilities.json: the ABI and the constraints, nothing else.
+
+    Inert data in provider-neutral terms; never a provider, model, price, URL or key.
+    """
+    return {
+        "schema": CAPABILITIES_SCHEMA,
+        "operations": {
+            "generate": {
+                "transport": "HTTP/1.1 over a Unix stream socket; one request per connection",
+                "socket": SANDBOX_SOCKET,
+                "method": "POST",
+                "path": GENERATE_PATH,
+                "request": {
+                    "body": "the prompt as raw UTF-8, 1 to max_prompt_bytes bytes",
+                    "headers": {
+                        "Host": "required by HTTP/1.1: any value",
+                        "Content-Length": "required: the body's size in bytes",
+                        MAX_TOKENS_HEADER: (
+                            "optional: an integer from 1 to max_output_tokens; "
+                            "max_output_tokens when absent"
+                        ),
+                    },
+                },
+                "responses": {
+                    "200": "the model's answer as raw UTF-8 (text/plain; charset=utf-8)",
+                    "400": "invalid request; the body says what is wrong",
+                    "402": "budget exhausted; nothing was sent to the model",
+                    "429": "call limit of the generation reached; nothing was sent",
+                    "502": "model unavailable, or no answer within model_timeout_seconds",
+                },
+                "limits": {
+                    "connections": {
+                        "max": MAX_CONNECTIONS,
+                        "beyond": "503 at once, then closed; nothing waits for a free one",
+                    },
+                    "request_head_bytes": {
+                        "max": MAX_HEAD_BYTES,
+                        "beyond": "431, then closed; counts the request line and headers",
+                    },
+                    "request_seconds": {
+                        "max": REQUEST_SECONDS,
+                        "beyond": "408, then closed; from connecting to the body's last byte",
+                    },
+                    "answer_seconds": {
+                        "max": ANSWER_SECONDS,
+                        "beyond": "closed unanswered; the call is audited and charged still",
+                    },
+                    "requests_per_connection": {
+                        "max": 1,
+                        "beyond": "never read: every answer carries Connection: close",
+                    },
+                    "calls_per_generation": {
+                        "max": MAX_CALLS,
+                        "beyond": "429 and nothing sent to the model; only counted",
+                    },
+                    "audited_text_bytes": {
+                        "max": AUDIT_TEXT_BYTES,
+                        "beyond": "later prompts and answers audited by size and sha256 only",
+                    },
+                },
+                "spending": (
+                    "each call first reserves its worst case from budget_usd: every prompt "
+                    "byte plus 4096 tokens as input and every granted output token as "
+                    "output. An answered call is then charged its reported usage, a call "
+                    "the model refused nothing, and a call whose answer was lost after "
+                    "the model received it its whole reservation"
+                ),
+            },
+            "journal": {"path": SANDBOX_JOURNAL, "access": "read-only"},
+        },
+        "constraints": {
+            **physics.model_dump(mode="json"),
+            "cpu_quota_percent": physics.cpu_quota_percent,
+            "archive_cap_bytes": physics.archive_cap_bytes,
+            "network": "none",
+        },
+    }
+
+
+class _InvalidRequest(Exception):
+    """A request the ABI does not allow; the message is the 400 answer."""
+
+
+@dataclass
+class _Call:
+    """A request that got as far as having a body, until it is audited."""
+
+    index: int
+    started_at: datetime
+    clock: float
+    prompt: bytes
+    requested_output_tokens: int | None = None
+
+
+@dataclass
+class _Serving:
+    """What __exit__ must stop: the listener, its event loop, the loop's thread."""
+
+    listener: socket.socket
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Task[None]
+    thread: threading.Thread
+
+
+class ModelSocket:
+    """Serves the model syscall of one generation on a Unix socket (a context manager)."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        provider: Provider,
+        physics: Physics,
+        context: GenerationContext,
+        *,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """owner, (uid, gid), is who the socket is handed to when the sandbox runs as
+        a user of its own; without it the socket stays the worker's."""
+        self.socket_path = Path(socket_path)
+        self.provider = provider
+        self.physics = physics
+        self.context = context
+        self.owner = owner
+        self.ledger = Ledger(
+            physics.budget_usd,
+            Prices(
+                input_usd_per_mtok=provider.input_usd_per_mtok,
+                output_usd_per_mtok=provider.output_usd_per_mtok,
+            ),
+        )
+        self._lock = threading.Lock()
+        self._indices = itertools.count(1)
+        self._calls: list[ModelCall] = []
+        self._admitted = 0
+        self._audited_text = 0
+        self.calls_over_limit = 0
+        self._in_flight: dict[int, tuple[_Call, Reservation]] = {}
+        self._model_threads = _ModelThreads(
+            MAX_CONNECTIONS, f"model-call-{context.lineage}-{context.generation}"
+        )
+        self._serving: _Serving | None = None
+
+    @property
+    def calls(self) -> list[ModelCall]:
+        """Every audited call so far, in order of arrival."""
+        with self._lock:
+            return sorted(self._calls, key=lambda call: call.index)
+
+    @property
+    def spent_usd(self) -> Decimal:
+        return self.ledger.spent_usd
+
+    def __enter__(self) -> ModelSocket:
+        # A socket left by a killed worker would make bind fail; anything else is kept.
+        if self.socket_path.is_socket():
+            self.socket_path.unlink()
+        listener = _listen(self.socket_path, self.owner)
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(self._serve(listener))
+        thread = threading.Thread(
+            target=_run_until_cancelled,
+            args=(loop, task),
+            name=f"model-socket-{self.context.lineage}-{self.context.generation}",
+            daemon=True,
+        )
+        self._serving = _Serving(listener, loop, task, thread)
+        thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._serving is not None:
+            serving, self._serving = self._serving, None
+            serving.loop.call_soon_threadsafe(serving.task.cancel)
+            serving.thread.join()
+            serving.listener.close()
+            serving.loop.close()
+        self._model_threads.close()
+        self.socket_path.unlink(missing_ok=True)
+        # The life is over (a wall timeout often ends it mid-call). A call still waiting
+        # for the model is recorded now, charged its reservation, so the observation
+        # written after this holds every call and every dollar that may have been spent.
+        with self._lock:
+            abandoned = list(self._in_flight.values())
+            self._in_flight.clear()
+        for call, reservation in abandoned:
+            self._fail(call, reservation, ABANDONED, keep_reservation=True)
+
+    async def _serve(self, listener: socket.socket) -> None:
+        """Accept until cancelled, then close every connection."""
+        loop = asyncio.get_running_loop()
+        conversations: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                # Not loop.sock_accept: on 3.11 a connect arriving as it is cancelled
+                # makes it set a result on the cancelled future, an error with traceback.
+                readable = loop.create_future()
+                loop.add_reader(listener, _set_once, readable)
+                try:
+                    await readable
+                finally:
+                    loop.remove_reader(listener)
+                try:
+                    self._admit(listener, conversations)
+                except OSError as exc:
+                    # Out of descriptors, say: the listener is still good, so wait, not end.
+                    logger.warning("model socket: accept failed: %s", exc)
+                    await asyncio.sleep(ACCEPT_RETRY_SECONDS)
+        finally:
+            for task in conversations:
+                task.cancel()
+            await asyncio.gather(*conversations, return_exceptions=True)
+
+    def _admit(self, listener: socket.socket, conversations: set[asyncio.Task[None]]) -> None:
+        """Take the connections waiting: a conversation each, or the 503 beyond the cap.
+
+        At most a backlog's worth at a time, as asyncio's own servers do, so that a
+        flood of connects does not starve the conversations admitted.
+        """
+        loop = asyncio.get_running_loop()
+        for _ in range(LISTEN_BACKLOG):
+            try:
+                client, _ = listener.accept()
+            except BlockingIOError:
+                return
+            client.setblocking(False)
+            if len(conversations) >= MAX_CONNECTIONS:
+                _refuse(client)
+                continue
+            task = loop.create_task(self._converse(client))
+            conversations.add(task)
+            task.add_done_callback(conversations.discard)
+
+    async def _converse(self, client: socket.socket) -> None:
+        """One connection: one request, one answer, then closed, whatever the client does."""
+        with client:
+            exchange = _Exchange(client)
+            try:
+                try:
+                    status, text, allow = await self._route(exchange)
+                    await exchange.drain()
+                except h11.RemoteProtocolError as exc:
+                    logger.debug("model socket: malformed request: %s", exc)
+                    if exc.error_status_hint == 431:
+                        status, text, allow = 431, HEAD_TOO_LONG, None
+                    else:
+                        status, text, allow = 400, f"malformed HTTP/1.1 request: {exc}", None
+                except TimeoutError:
+                    status, allow = 408, None
+                    text = f"the request did not arrive within {REQUEST_SECONDS} s of connecting"
+                    logger.debug("model socket: %s", text)
+                await exchange.answer(status, text, allow)
+            # Debug lines only: a hostile client must not be able to fill the worker's log.
+            # A call it made is audited whatever became of its connection.
+            except TimeoutError:
+                logger.debug("model socket client took no answer within %d s", ANSWER_SECONDS)
+            except OSError as exc:
+                logger.debug("model socket client left before the answer: %s", exc)
+
+    async def _route(self, exchange: _Exchange) -> tuple[int, str, str | None]:
+        """The status, text and Allow header of the answer to the connection's request."""
+        request = await exchange.request()
+        if request.target != GENERATE_PATH.encode():
+            return 404, f"unknown operation; the only one is POST {GENERATE_PATH}", None
+        if request.method != b"POST":
+            return 405, f"{GENERATE_PATH} takes POST only", "POST"
+        status, text = await self.serve_generate(request.headers, exchange)
+        return status, text, None
+
+    async def serve_generate(
+        self, headers: Sequence[tuple[bytes, bytes]], exchange: _Exchange
+    ) -> tuple[int, str]:
+        """One POST /generate whose headers are read: its status and the text to answer with."""
+        started_at = datetime.now(UTC)
+        clock = time.monotonic()
+        try:
+            raw = await _read_prompt(headers, exchange, self.physics.max_prompt_bytes)
+        except _InvalidRequest as exc:
+            return 400, str(exc)
+        with self._lock:
+            if self._admitted >= MAX_CALLS:
+                self.calls_over_limit += 1
+                return 429, CALL_LIMIT
+            self._admitted += 1
+        call = _Call(next(self._indices), started_at, clock, raw)
+        try:
+            prompt = raw.decode("utf-8")
+            if not prompt:
+                raise _InvalidRequest("the prompt is empty")
+            tokens = _granted_tokens(headers, self.physics.max_output_tokens)
+        except UnicodeDecodeError:
+            return self._audit(call, 400, "the prompt is not valid UTF-8")
+        except _InvalidRequest as exc:
+            return self._audit(call, 400, str(exc))
+        call.requested_output_tokens = tokens
+        try:
+            reservation = self.ledger.reserve(len(raw), tokens)
+        except BudgetExhausted as exc:
+            return self._audit(call, 402, BUDGET_EXHAUSTED, error=str(exc))
+        with self._lock:
+            self._in_flight[call.index] = (call, reservation)
+        try:
+            reply = await self._generate(prompt, tokens)
+        except asyncio.CancelledError:
+            # The generation ended first and __exit__ audits the call as abandoned; a
+            # client still waiting hears what its record will say, if it can at once.
+            exchange.answer_at_once(502, MODEL_UNAVAILABLE)
+            raise
+        except ProviderUnavailable as exc:
+            self._land(call.index)
+            logger.warning("model call %d failed: %s", call.index, exc)
+            return self._fail(call, reservation, str(exc), keep_reservation=exc.may_have_billed)
+        self._land(call.index)
+        cost = self.ledger.settle_usage(reservation, reply.input_tokens, reply.output_tokens)
+        return self._audit(
+            call, 200, reply.text, reply=reply, reserved=reservation.amount_usd, cost=cost
+        )
+
+    def _land(self, index: int) -> None:
+        """The call ended in time: settling it is no longer __exit__'s job."""
+        with self._lock:
+            del self._in_flight[index]
+
+    def _fail(
+        self, call: _Call, reservation: Reservation, error: str, *, keep_reservation: bool
+    ) -> tuple[int, str]:
+        # Refund what the vendor cannot have billed; keep the whole reservation when it
+        # may have served a request whose answer we lost, so the ceiling stays hard.
+        charge = reservation.amount_usd if keep_reservation else Decimal(0)
+        cost = self.ledger.settle(reservation, charge)
+        return self._audit(
+            call, 502, MODEL_UNAVAILABLE, error=error, reserved=reservation.amount_usd, cost=cost
+        )
+
+    async def _generate(self, prompt: str, max_output_tokens: int) -> ProviderReply:
+        """The provider's reply within model_timeout_seconds overall.
+
+        The provider's own socket timeout bounds each read, not the whole exchange, so
+        the call runs on a model thread and is abandoned at the deadline.
+        """
+        timeout = self.physics.model_timeout_seconds
+        future = self._model_threads.submit(
+            functools.partial(
+                self.provider.generate, prompt, max_output_tokens, timeout, self.context
+            )
+        )
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                return await asyncio.wrap_future(future)
+        except ProviderUnavailable:
+            raise
+        except Exception as exc:
+            if deadline.expired():
+                # A call still queued for a thread was never sent, so it was not billed.
+                raise ProviderUnavailable(
+                    f"no answer within {timeout} s", may_have_billed=not future.cancel()
+                ) from None
+            logger.error("provider %s failed unexpectedly", self.provider.name, exc_info=exc)
+            raise ProviderUnavailable(
+                f"{self.provider.name} failed: {type(exc).__name__}", may_have_billed=True
+            ) from None
+
+    def _audit(
+        self,
+        call: _Call,
+        status: int,
+        answer: str,
+        *,
+        error: str | None = None,
+        reply: ProviderReply | None = None,
+        reserved: Decimal = Decimal(0),
+        cost: Decimal = Decimal(0),
+    ) -> tuple[int, str]:
+        """Record the call and pass its answer on; a 200's answer is the model's text."""
+        response = None
+        if status == 200:
+            # A vendor's JSON may carry lone surrogates; neither the socket nor the
+            # record can hold them, so both get the same repaired text.
+            response = answer.encode("utf-8", errors="replace").decode("utf-8")
+            answer = response
+        elif error is None:
+            error = answer
+        text_bytes = len(call.prompt) + (len(response.encode("utf-8")) if response else 0)
+        with self._lock:
+            # Past the cap a record keeps sizes, hashes, tokens and cost, never the text.
+            keep_text = self._audited_text + text_bytes <= AUDIT_TEXT_BYTES
+            if keep_text:
+                self._audited_text += text_bytes
+        record = ModelCall(
+            index=call.index,
+            started_at=call.started_at,
+            duration_seconds=time.monotonic() - call.clock,
+            status=status,
+            prompt=call.prompt.decode("utf-8", errors="replace") if keep_text else "",
+            response=response if keep_text else None,
+            prompt_bytes=len(call.prompt),
+            text_omitted=not keep_text,
+            prompt_sha256=hashlib.sha256(call.prompt).hexdigest(),
+            response_sha256=(
+                hashlib.sha256(response.encode("utf-8")).hexdigest()
+                if response is not None
+                else None
+            ),
+            requested_output_tokens=call.requested_output_tokens,
+            input_tokens=reply.input_tokens if reply else 0,
+            output_tokens=reply.output_tokens if reply else 0,
+            reserved_usd=reserved,
+            cost_usd=cost,
+            error=error,
+        )
+        with self._lock:
+            self._calls.append(record)
+        return status, answer
+
+
+class _Exchange:
+    """One connection's request and answer, framed by h11 and bounded in size and time."""
+
+    def __init__(self, client: socket.socket) -> None:
+        self.client = client
+        self.http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + REQUEST_SECONDS
+        self.received = 0
+        self.head_only = False
+
+    async def request(self) -> h11.Request:
+        """The request line and headers; RemoteProtocolError if malformed or too long."""
+        while (event := self.http.next_event()) is h11.NEED_DATA:
+            # Read no further than the limit, so that a head over it is never complete.
+            if self.received >= MAX_HEAD_BYTES:
+                raise h11.RemoteProtocolError(HEAD_TOO_LONG, error_status_hint=431)
+            await self._receive(MAX_HEAD_BYTES - self.received)
+        if not isinstance(event, h11.Request):
+            raise ConnectionAbortedError("the client closed before sending a request")
+        self.head_only = event.method == b"HEAD"
+        return event
+
+    async def body_chunk(self) -> bytes | None:
+        """The next piece of the body, None at its end; RemoteProtocolError if cut short."""
+        while (event := self.http.next_event()) is h11.NEED_DATA:
+            await self._receive(RECEIVE_BYTES)
+        return bytes(event.data) if isinstance(event, h11.Data) else None
+
+    async def drain(self) -> None:
+        """Read and drop what is left of a body answered unread (404, 405, too large...).
+
+        Closing on a client that is mid-send breaks its pipe before it reads our answer.
+        Nothing read here is kept; past DISCARD_CAP_BYTES, the end of the body or the
+        request deadline, the answer goes out and the connection is closed.
+        """
+        if self.http.their_state is not h11.SEND_BODY:
+            return
+        left = DISCARD_CAP_BYTES
+        with contextlib.suppress(h11.RemoteProtocolError, TimeoutError):
+            while left > 0 and (chunk := await self.body_chunk()) is not None:
+                left -= len(chunk)
+
+    async def answer(self, status: int, text: str, allow: str | None = None) -> None:
+        data = _response(self.http, status, text, allow=allow, head_only=self.head_only)
+        async with asyncio.timeout(ANSWER_SECONDS):
+            await self.loop.sock_sendall(self.client, data)
+
+    def answer_at_once(self, status: int, text: str) -> None:
+        """Answer if the socket takes it without waiting, or not at all."""
+        with contextlib.suppress(OSError):
+            self.client.send(_response(self.http, status, text, head_only=self.head_only))
+
+    async def _receive(self, size: int) -> None:
+        async with asyncio.timeout_at(self.deadline):
+            data = await self.loop.sock_recv(self.client, size)
+        self.received += len(data)
+        self.http.receive_data(data)
+
+
+class _ModelThreads:
+    """Runs provider calls on at most `size` daemon threads, started as calls arrive.
+
+    Not a ThreadPoolExecutor: Python joins its threads at exit, so a call abandoned at
+    its deadline to a vendor that keeps dripping bytes would hold up the worker's exit.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size = size
+        self._name = name
+        self._started = 0
+        self._queue: queue.SimpleQueue[
+            tuple[Future[ProviderReply], Callable[[], ProviderReply]] | None
+        ] = queue.SimpleQueue()
+
+    def submit(self, call: Callable[[], ProviderReply]) -> Future[ProviderReply]:
+        """Queue a call (from the event loop's thread only)."""
+        future: Future[ProviderReply] = Future()
+        self._queue.put((future, call))
+        if self._started < self._size:
+            self._started += 1
+            threading.Thread(
+                target=self._work, name=f"{self._name}-{self._started}", daemon=True
+            ).start()
+        return future
+
+    def close(self) -> None:
+        """Cancel the calls not started; each thread ends when its call, if any, returns."""
+        with contextlib.suppress(queue.Empty):
+            while item := self._queue.get_nowait():
+                item[0].cancel()
+        for _ in range(self._started):
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+def _listen(path: Path, owner: tuple[int, int] | None) -> socket.socket:
+    """A listening socket at path that only the sandbox's uid may connect to."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+    except OSError:
+        listener.close()
+        raise
+    try:
+        # Only the worker's own uid, which bwrap maps to itself inside the sandbox, or
+        # the sandbox's own uid may connect: any other local user could spend the
+        # budget and forge audit records. Both are set before anyone can connect.
+        os.chmod(path, 0o600)
+        if owner is not None:
+            os.chown(path, *owner)
+        listener.listen(LISTEN_BACKLOG)
+    except OSError:
+        listener.close()
+        path.unlink()
+        raise
+    listener.setblocking(False)
+    return listener
+
+
+def _run_until_cancelled(loop: asyncio.AbstractEventLoop, serving: asyncio.Task[None]) -> None:
+    # _serve ends only when __exit__ cancels it.
+    with contextlib.suppress(asyncio.CancelledError):
+        loop.run_until_complete(serving)
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _refuse(client: socket.socket) -> None:
+    """Answer 503 and close, reading nothing: a fresh socket takes a short answer at once."""
+    with client, contextlib.suppress(OSError):
+        client.send(_REFUSAL)
+    logger.debug("model socket: refused a connection beyond %d", MAX_CONNECTIONS)
+
+
+def _response(
+    http: h11.Connection,
+    status: int,
+    text: str,
+    *,
+    allow: str | None = None,
+    head_only: bool = False,
+) -> bytes:
+    """The bytes of one whole answer; every answer closes its connection."""
+    body = text.encode("utf-8") if status == 200 else f"{text}\n".encode()
+    headers = [
+        ("Content-Type", "text/plain; charset=utf-8"),
+        ("Content-Length", str(len(body))),
+        ("Connection", "close"),
+    ]
+    if allow is not None:
+        headers.append(("Allow", allow))
+    events: list[h11.Event] = [
+        h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase)
+    ]
+    if not head_only:
+        events.append(h11.Data(data=body))
+    events.append(h11.EndOfMessage())
+    return b"".join(http.send(event) or b"" for event in events)
+
+
+_REFUSAL = _response(h11.Connection(h11.SERVER), 503, BUSY)
+
+
+async def _read_prompt(
+    headers: Sequence[tuple[bytes, bytes]], exchange: _Exchange, max_prompt_bytes: int
+) -> bytes:
+    """The request body, read only once its declared size is known to be within limits."""
+    if _values(headers, b"transfer-encoding"):
+        raise _InvalidRequest("send the prompt with Content-Length, not Transfer-Encoding")
+    # h11 has checked any Content-Length: digits only, and repeats all equal.
+    lengths = _values(headers, b"content-length")
+    if not lengths:
+        raise _InvalidRequest("Content-Length is required: the prompt's size in bytes")
+    length = int(lengths[0])
+    if length > max_prompt_bytes:
+        raise _InvalidRequest(f"the prompt is over max_prompt_bytes ({max_prompt_bytes} bytes)")
+    raw = bytearray()
+    try:
+        while (chunk := await exchange.body_chunk()) is not None:
+            raw += chunk
+    except h11.RemoteProtocolError:
+        raise _InvalidRequest("the body ended before Content-Length bytes arrived") from None
+    return bytes(raw)
+
+
+def _values(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    """Every value of one header (h11 gives names in lower case)."""
+    return [value for key, value in headers if key == name]
+
+
+def _granted_tokens(headers: Sequence[tuple[bytes, bytes]], max_output_tokens: int) -> int:
+    values = _values(headers, MAX_TOKENS_HEADER.lower().encode())
+    if not values:
+        return max_output_tokens
+    value = values[0].strip()
+    # The digit check comes first: int() would also take "+5", "1_0" and non-ASCII digits.
+    if (
+        len(values) == 1
+        and _DECIMAL_INTEGER.fullmatch(value)
+        and 1 <= int(value) <= max_output_tokens
+    ):
+        return int(value)
+    raise _InvalidRequest(f"{MAX_TOKENS_HEADER} must be one integer from 1 to {max_output_tokens}")

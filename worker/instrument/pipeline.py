@@ -1,0 +1,591 @@
+"""One generation, end to end: the trusted path from a job to a commit plus observation.
+
+Owns the generation contract (docs/design.md), one named phase each: plan (fetch,
+validate the lineage root, number the generation), live (prepare the private
+kernel directory, serve the model socket, run the life under the resource
+ceiling), judge (classify the outcome, decode the result or roll back), commit
+(journal entry in fixed words), observe (the trusted record) and publish (spool,
+compare-and-swap push, write-once observation). The Celery task and ``schedule-lineage run --local``
+both call ``Pipeline.run``; nothing else writes to a lineage.
+
+Trusts: the instrument it was built with, its settings, the shared repository and
+the observation store. Trusts nothing the organism produced: the result archive
+goes through the decoder, stderr and model traffic are carried as capped data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import socket
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import NamedTuple
+
+from worker.instrument import journal
+from worker.instrument.ceilings import Ceiling
+from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
+from worker.instrument.errors import Refusal, StaleJob
+from worker.instrument.fingerprint import Instrument
+from worker.instrument.gitrepo import Entry, LineageCache
+from worker.instrument.identity import IdentityPool
+from worker.instrument.job import GenerationJob, GenerationReport
+from worker.instrument.keys import generation_key, index_key
+from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
+from worker.instrument.model.providers import GenerationContext, Provider, make_provider
+from worker.instrument.model.server import ModelSocket, capabilities
+from worker.instrument.names import JOURNAL_PATH, KERNEL_OWNED, ORGANISM_PATH
+from worker.instrument.physics import Physics
+from worker.instrument.records import (
+    IndexEntry,
+    LineageIndex,
+    ModelCall,
+    Observation,
+    Outcome,
+    Provenance,
+    cap_stderr,
+)
+from worker.instrument.sandbox import (
+    SandboxResult,
+    kernel_directory,
+    resolve_emacs,
+    run_sandbox,
+    sweep_kernel_dirs,
+)
+from worker.instrument.settings import InstrumentSettings
+from worker.instrument.spool import Publication, Spool
+from worker.instrument.store import ObservationStore, StoreUnavailable
+
+INDEX_ATTEMPTS = 3
+# Generations still pending in a spool leave gaps too; each write probes this many.
+INDEX_REPAIRS = 8
+
+
+class ObservationConflict(RuntimeError):
+    """The write-once key of an observation holds a different generation's record."""
+
+
+class Plan(NamedTuple):
+    """A validated job: the generation it will be and everything its life starts from."""
+
+    job: GenerationJob
+    parent: str
+    meta: LineageMetadata
+    generation: int
+    physics: Physics
+    narrowed: bool
+    tree: Mapping[str, Entry]
+    blobs: Mapping[str, bytes]
+    provider: Provider
+
+
+class Life(NamedTuple):
+    """What one life did, as the worker saw it and as the model socket audited it."""
+
+    result: SandboxResult
+    calls: list[ModelCall]
+    calls_over_limit: int
+    spent_usd: Decimal
+    started: datetime
+    finished: datetime
+
+
+class Verdict(NamedTuple):
+    """What a life amounts to: its outcome and the tree to commit (journal still to add)."""
+
+    outcome: Outcome
+    rejection: str | None
+    entries: dict[str, Entry]
+    summary: str
+    published_bytes: int
+    published_files: int
+
+
+class Pipeline:
+    """The per-process generation machinery; build once, run many jobs."""
+
+    def __init__(
+        self,
+        *,
+        settings: InstrumentSettings,
+        instrument: Instrument,
+        instrument_commit: str,
+        ceiling: Ceiling,
+        store: ObservationStore,
+        cache: LineageCache,
+        spool: Spool,
+    ) -> None:
+        self.settings = settings
+        self.instrument = instrument
+        self.instrument_commit = instrument_commit
+        self.ceiling = ceiling
+        self.store = store
+        self.cache = cache
+        self.spool = spool
+        self.emacs = resolve_emacs()
+        self.identities = IdentityPool(settings.sandbox_uid_base, settings.sandbox_uid_count)
+        self.identities.probe()
+        self.host = socket.gethostname()
+        self.bwrap_version = _first_line(["bwrap", "--version"])
+        sweep_kernel_dirs()
+        self.emacs_version = _first_line([str(self.emacs), "--version"])
+
+    def head(self, lineage: str) -> str:
+        """The lineage's current head on the shared repository (fetching it)."""
+        check_name(lineage)
+        head = self.cache.fetch(lineage)
+        if head is None:
+            raise Refusal(f"no lineage named {lineage}; create it with schedule-lineage init")
+        return head
+
+    def run(
+        self,
+        job: GenerationJob,
+        *,
+        task_id: str | None = None,
+        attempt: int = 1,
+    ) -> GenerationReport:
+        """Run one generation of ``job.lineage`` on top of ``job.expected_commit``."""
+        self.drain(job.lineage)
+        plan = self._plan(job)
+        life = self._live(plan)
+        with tempfile.TemporaryDirectory(prefix="ouroboros-publish-") as scratch:
+            verdict = self._judge(life.result, plan, Path(scratch))
+        commit = self._commit(plan, life, verdict)
+        observation = self._observation(plan, life, verdict, commit, task_id, attempt)
+        stored = self._publish(plan, commit, observation)
+        return GenerationReport(
+            lineage=job.lineage,
+            generation=plan.generation,
+            outcome=verdict.outcome,
+            parent=plan.parent,
+            commit=commit,
+            spent_usd=life.spent_usd,
+            run_budget_exhausted=observation.run_budget_exhausted,
+            observation_stored=stored,
+        )
+
+    def _plan(self, job: GenerationJob) -> Plan:
+        """Fetch, refuse a stale job or foreign physics, and number the generation."""
+        parent = self.head(job.lineage)
+        if parent != job.expected_commit:
+            raise StaleJob(
+                f"{job.lineage} is at {parent[:12]}, not {job.expected_commit[:12]}; re-plan"
+            )
+        meta = root_metadata(self.cache, parent, job.lineage)
+        check_continuable(meta, self.instrument, self.instrument_commit)
+        generation = 1 + self.cache.history(job.lineage, parent).generations
+        provider = make_provider(job.provider, job.model, self.settings)
+        tree = self.cache.tree(parent)
+        blobs = self.cache.cat_blobs(entry.sha for entry in tree.values())
+        physics = meta.physics
+        narrowed = job.budget_usd is not None and job.budget_usd < physics.budget_usd
+        if narrowed:
+            # A run's remaining budget narrows, never widens, the pinned per-generation one.
+            physics = physics.model_copy(update={"budget_usd": job.budget_usd})
+        return Plan(job, parent, meta, generation, physics, narrowed, tree, blobs, provider)
+
+    def _live(self, plan: Plan) -> Life:
+        """Prepare the kernel directory, serve the model socket, and live the life in it."""
+        tree, blobs = plan.tree, plan.blobs
+        source = blobs.get(tree[ORGANISM_PATH].sha, b"") if ORGANISM_PATH in tree else b""
+        context = GenerationContext(
+            lineage=plan.job.lineage,
+            generation=plan.generation,
+            organism_source=source.decode("utf-8", errors="replace"),
+        )
+        digest = hashlib.sha256(plan.parent.encode()).hexdigest()[:8]
+        label = f"{plan.job.lineage}-{plan.generation}-{digest}"
+        started = datetime.now(UTC)
+        with (
+            self.identities.hold() as identity,
+            kernel_directory(self._kernel_files(plan), identity) as kernel,
+        ):
+            owner = (identity.uid, identity.gid) if identity.drop else None
+            with ModelSocket(
+                kernel / "model.sock", plan.provider, plan.physics, context, owner=owner
+            ) as model:
+                result = run_sandbox(
+                    kernel, plan.physics, self.ceiling, label, self.emacs, identity
+                )
+            return Life(
+                result,
+                model.calls,
+                model.calls_over_limit,
+                model.spent_usd,
+                started,
+                datetime.now(UTC),
+            )
+
+    def _commit(self, plan: Plan, life: Life, verdict: Verdict) -> str:
+        """The generation's commit: the verdict's tree plus its journal entry, in fixed words."""
+        generation, finished, tree = plan.generation, life.finished, plan.tree
+        if verdict.outcome == "changed":
+            subject = journal.subject_changed(generation, verdict.summary)
+            entry = journal.entry_changed(generation, verdict.summary, finished)
+        elif verdict.outcome == "no-change":
+            subject = journal.subject_no_change(generation)
+            entry = journal.entry_no_change(generation, finished)
+        else:
+            exit_code = _shell_status(life.result)
+            subject = journal.subject_died(generation, exit_code)
+            # The journal wants the last lines the organism wrote, which a cut record lacks.
+            _, truncated = cap_stderr(life.result.stderr)
+            last = life.result.stderr_tail if truncated else life.result.stderr
+            entry = journal.entry_died(
+                generation, exit_code, last.decode("utf-8", errors="replace"), finished
+            )
+        journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
+        before = plan.blobs.get(journal_sha, b"") if journal_sha else b""
+        entries = dict(verdict.entries)
+        entries[JOURNAL_PATH] = Entry(
+            "100644", self.cache.hash_bytes(journal.append(before, entry))
+        )
+        return self.cache.commit(plan.parent, entries, subject)
+
+    def _observation(
+        self,
+        plan: Plan,
+        life: Life,
+        verdict: Verdict,
+        commit: str,
+        task_id: str | None,
+        attempt: int,
+    ) -> Observation:
+        """The trusted record of the generation: everything the worker saw and spent."""
+        result, job = life.result, plan.job
+        stderr_text, truncated = cap_stderr(result.stderr)
+        queue_wait = (life.started - job.enqueued_at).total_seconds() if job.enqueued_at else None
+        return Observation(
+            lineage=job.lineage,
+            generation=plan.generation,
+            parent_commit=plan.parent,
+            lineage_commit=commit,
+            started_at=life.started,
+            finished_at=life.finished,
+            duration_seconds=result.duration_seconds,
+            outcome=verdict.outcome,
+            rejection_reason=verdict.rejection,
+            exit_status=result.exit_status,
+            signal=result.signal,
+            driver_result=result.figures.result,
+            cpu_usage_nsec=result.figures.cpu_usage_nsec,
+            memory_peak_bytes=result.figures.memory_peak_bytes,
+            oom_kills=result.figures.oom_kills,
+            figure_sources=result.figures.sources,
+            archive_bytes=result.archive_bytes,
+            published_bytes=verdict.published_bytes,
+            published_files=verdict.published_files,
+            provider=plan.provider.name,
+            model=plan.provider.model,
+            constraints=plan.physics,
+            model_calls=life.calls,
+            model_calls_over_limit=life.calls_over_limit,
+            spent_usd=life.spent_usd,
+            # The run, not the pinned physics, ran out: nothing more can be bought for it.
+            run_budget_exhausted=plan.narrowed and any(c.status == 402 for c in life.calls),
+            stderr=stderr_text,
+            stderr_truncated=truncated,
+            run_id=job.run_id,
+            provenance=Provenance(
+                worker_host=self.host,
+                fleet_version=self.instrument.version,
+                instrument_fingerprint=self.instrument.fingerprint,
+                ceiling_driver=self.ceiling.name,
+                bwrap_version=self.bwrap_version,
+                emacs_version=self.emacs_version,
+                task_id=task_id,
+                attempt=attempt,
+                queue_wait_seconds=queue_wait,
+            ),
+        )
+
+    def _publish(self, plan: Plan, commit: str, observation: Observation) -> bool:
+        """Spool the publication, then push and record it; whether the observation landed."""
+        publication = Publication(
+            lineage=plan.job.lineage,
+            generation=plan.generation,
+            parent=plan.parent,
+            commit=commit,
+            stage="push",
+            observation_key=generation_key(plan.job.lineage, plan.generation),
+            observation=observation.model_dump_json(by_alias=True, indent=2),
+        )
+        self.spool.save(publication)
+        return self._finish(publication)
+
+    def drain(self, lineage: str | None = None) -> int:
+        """Finish every pending publication (of one lineage); how many remain pending."""
+        pending = self.spool.pending(lineage)
+        for done, publication in enumerate(pending):
+            try:
+                if not self._finish(publication):
+                    # The store is down: the rest would wait on it too, so stop here.
+                    return len(pending) - done
+            except StaleJob:
+                continue
+        return 0
+
+    def _finish(self, publication: Publication) -> bool:
+        """Push (compare-and-swap) then store the observation; True once both landed."""
+        if publication.stage == "push":
+            landed = self.cache.push_cas(
+                publication.lineage, publication.commit, publication.parent
+            ) or self.cache.branch_contains(publication.lineage, publication.commit)
+            if not landed:
+                # Lost the race: this result is speculative and is never published.
+                self.spool.remove(publication)
+                raise StaleJob(
+                    f"{publication.lineage} moved while generation "
+                    f"{publication.generation} ran; its result is discarded"
+                )
+            publication = publication.model_copy(update={"stage": "observe"})
+            self.spool.save(publication)
+        observation = Observation.model_validate_json(publication.observation)
+        try:
+            if not self.store.put_once(
+                publication.observation_key, publication.observation.encode()
+            ):
+                self._check_existing(publication.observation_key, observation)
+            self._index(observation)
+        except StoreUnavailable:
+            return False
+        self.spool.remove(publication)
+        return True
+
+    def _check_existing(self, key: str, observation: Observation) -> None:
+        """A key already written must hold this very generation, or nothing is lost quietly."""
+        existing = Observation.model_validate_json(self.store.get(key) or b"{}")
+        if existing.lineage_commit != observation.lineage_commit:
+            # The spool keeps this observation until an operator resolves the clash.
+            raise ObservationConflict(
+                f"{key} already records commit {existing.lineage_commit[:12]}, not "
+                f"{observation.lineage_commit[:12]}; the store holds another lineage's "
+                "records under this name"
+            )
+
+    def _index(self, observation: Observation) -> None:
+        """Add the observation's summary to the lineage's index object.
+
+        Two publishers of one lineage (a spool drain beside a live generation) may
+        rewrite the index at once and one may lose the other's entry. So the write is
+        read back until it holds this entry, and every write first fills gaps below
+        this generation from the write-once observation objects: an entry lost once
+        is restored by the next publication.
+        """
+        key = index_key(observation.lineage)
+        entry = IndexEntry.of(observation)
+        for _ in range(INDEX_ATTEMPTS):
+            index = self._read_index(key, observation.lineage)
+            for missing in self._gaps(index, observation.generation):
+                index = index.with_entry(missing)
+            self.store.put(key, index.with_entry(entry).model_dump_json().encode())
+            if entry in self._read_index(key, observation.lineage).generations:
+                return
+
+    def _read_index(self, key: str, lineage: str) -> LineageIndex:
+        return LineageIndex.parse(self.store.get(key), lineage)
+
+    def _gaps(self, index: LineageIndex, below: int) -> Iterator[IndexEntry]:
+        """Entries of stored observations that the index lacks (a bounded number per call)."""
+        known = {e.generation for e in index.generations}
+        absent = [n for n in range(below - 1, 0, -1) if n not in known][:INDEX_REPAIRS]
+        for generation in absent:
+            raw = self.store.get(generation_key(index.lineage, generation))
+            if raw is not None:
+                yield IndexEntry.of(Observation.model_validate_json(raw))
+
+    def _judge(self, result: SandboxResult, plan: Plan, scratch: Path) -> Verdict:
+        """What the life amounts to: a death, or the organism's tree through the decoder.
+
+        A tree the decoder accepts must also unpack into the next life's /work, or every
+        life after it would die before its first form. The decoder counts bytes, a tmpfs
+        whole pages, and a file the organism wrote sparse unpacks dense, so a result whose
+        ``Footprint`` does not fit the physics is a ``decoder_rejection`` as well.
+        """
+        physics, tree = plan.physics, plan.tree
+        death = result.death()
+        rejection = "result archive exceeds the cap" if death == "decoder_rejection" else None
+        if death is None:
+            if result.archive is None:
+                raise RuntimeError("sandbox reported success without an archive")
+            try:
+                decoded = decode_archive(
+                    result.archive, scratch / "tree", DecodeLimits.from_physics(physics)
+                )
+            except DecoderRejection as exc:
+                death, rejection = "decoder_rejection", str(exc)
+            else:
+                verdict = self._published(decoded, scratch / "tree", tree)
+                room = self.cache.footprint(
+                    {p: e for p, e in verdict.entries.items() if p not in KERNEL_OWNED}
+                ).room
+                if room <= physics.work_bytes:
+                    return verdict
+                death, rejection = (
+                    "decoder_rejection",
+                    f"the tree would take {room} bytes of /work once unpacked (every file in "
+                    "whole pages, a sparse file dense), more than the work_bytes limit "
+                    f"{physics.work_bytes}",
+                )
+        # The stage's status for a tree it cannot unpack (an organism may choose it too).
+        unpack_failed = death == "process_exit" and result.exit_status == 70
+        return Verdict(death, rejection, self._rolled_back(plan, unpack_failed), "", 0, 0)
+
+    def _rolled_back(self, plan: Plan, unpack_failed: bool) -> dict[str, Entry]:
+        """The tree a death leaves: organism.el one body back, nothing the dead life wrote,
+        and a tree the next life can unpack.
+
+        The body is the one organism.el had before the last change to it that was not
+        itself a rollback (``LineageCache.last_body``), so a death right after a rollback
+        never resurrects the body that died before. It is always written as a regular
+        100644 file, whatever the parent holds at organism.el: a symlink, a directory (its
+        files go), an executable or nothing, as lineages recorded before the decoder
+        refused such results may. Keeping the parent's mode would store the body as a
+        symlink's target. ``last_body`` gives the last body that was a regular file, else
+        the seed's, so a death never leaves a lineage whose every life dies for want of a
+        loadable body.
+
+        The tree around it is the first of these that fits the pinned physics
+        (``Footprint.fits``: at most ``work_files`` files and symlinks, at most
+        ``work_bytes`` bytes of files, and at most ``work_bytes`` of tmpfs with every file
+        rounded up to whole pages and a page per directory and symlink as margin):
+
+        1. the parent's files with the body put back (the ordinary case);
+        2. the files of the tree that body last lived in (``Body.lived_in``, the tree a
+           life started from before it replaced the body), with the body;
+        3. the seed's tree, the root commit's files and body: the last resort, taken as
+           it is.
+
+        So a body that the parent's other files leave no room for (a 40 MB body put back
+        beside a 40 MB file in a 64 MB /work) comes back with the files it lived with,
+        not with files it cannot be unpacked beside. A life that exits 70 is one whose
+        stage could not unpack the tree it was given (or an organism that chose that
+        status: the kernel cannot tell them apart), so then a tree with exactly the files
+        it was given is passed over too: a tree that cannot be unpacked, whatever the
+        reason, costs at most three deaths before the seed's tree, never every life
+        after it. The kernel's own files are the parent's: its ``.ouroboros-lineage.json``
+        and its journal, to which the commit adds this death's entry.
+        """
+        tree, physics = plan.tree, plan.physics
+        kernel = {p: e for p, e in tree.items() if p in KERNEL_OWNED and p != JOURNAL_PATH}
+        given = {p: e for p, e in tree.items() if p not in KERNEL_OWNED}
+        body = self.cache.last_body(plan.parent, ORGANISM_PATH, journal.DEATH_SUBJECT)
+        if body is None:
+            # Only a root without a regular organism.el, which init never makes.
+            return {**given, **kernel}
+
+        def with_body(files: Mapping[str, Entry], sha: str) -> dict[str, Entry]:
+            kept = {
+                p: e
+                for p, e in files.items()
+                if p not in KERNEL_OWNED and p.partition("/")[0] != ORGANISM_PATH
+            }
+            return {**kept, ORGANISM_PATH: Entry("100644", sha)}
+
+        sha, lived_in = body.sha, body.lived_in
+
+        def candidates() -> Iterator[dict[str, Entry]]:
+            yield with_body(given, sha)
+            yield with_body(self.cache.tree(lived_in), sha)
+
+        for files in candidates():
+            if unpack_failed and files == given:
+                continue
+            if self.cache.footprint(files).fits(physics.work_bytes, physics.work_files):
+                return {**files, **kernel}
+        seed_tree = self.cache.tree(self.cache.root_of(plan.parent))
+        seed = seed_tree.get(ORGANISM_PATH)
+        regular = seed.sha if seed is not None and seed.mode in ("100644", "100755") else None
+        return {**with_body(seed_tree, regular or sha), **kernel}
+
+    def _published(
+        self, decoded: list[TreeEntry], root: Path, tree: Mapping[str, Entry]
+    ) -> Verdict:
+        """The organism's decoded tree plus the kernel's own files, compared with the parent."""
+        files = [e for e in decoded if e.kind == "file"]
+        shas = self.cache.hash_files([root / e.path for e in files])
+        made: dict[str, Entry] = {
+            e.path: Entry("100755" if e.executable else "100644", sha)
+            for e, sha in zip(files, shas, strict=True)
+        }
+        for e in decoded:
+            if e.kind == "symlink" and e.target is not None:
+                made[e.path] = Entry("120000", self.cache.hash_bytes(e.target.encode()))
+        before = {p: e for p, e in tree.items() if p not in KERNEL_OWNED}
+        changed = sorted(p for p in before.keys() | made.keys() if before.get(p) != made.get(p))
+        kernel_kept = {p: e for p, e in tree.items() if p in KERNEL_OWNED and p != JOURNAL_PATH}
+        entries = {**made, **kernel_kept}
+        sizes = (sum(e.size for e in files), len(decoded))
+        if not changed:
+            return Verdict("no-change", None, entries, "", *sizes)
+        delta = None
+        if ORGANISM_PATH in changed:
+            old, new = before.get(ORGANISM_PATH), made.get(ORGANISM_PATH)
+            delta = self.cache.numstat(old.sha if old else None, new.sha if new else None)
+        return Verdict(
+            "changed", None, entries, journal.changed_summary(delta, len(changed)), *sizes
+        )
+
+    def _kernel_files(self, plan: Plan) -> dict[str, bytes]:
+        """What the life finds in /kernel, besides the model socket and the staging shell."""
+        meta, tree, blobs = plan.meta, plan.tree, plan.blobs
+        journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
+        lineage = {
+            "name": meta.name,
+            "generation": plan.generation,
+            "parent_commit": plan.parent,
+            "created_at": meta.created_at.isoformat(),
+            "seed_sha256": meta.seed_sha256,
+        }
+        return {
+            "base.tar": _base_tar(tree, blobs),
+            "journal.md": blobs.get(journal_sha, b"") if journal_sha else b"",
+            "lineage.json": json.dumps(lineage, indent=2).encode(),
+            "capabilities.json": json.dumps(
+                capabilities(plan.physics), indent=2, default=str
+            ).encode(),
+            **self.instrument.scripts,
+        }
+
+
+def _base_tar(tree: Mapping[str, Entry], blobs: Mapping[str, bytes]) -> bytes:
+    """The committed tree minus kernel-owned files, as a tar built here (no git attributes)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for path, entry in sorted(tree.items()):
+            if path in KERNEL_OWNED:
+                continue
+            info = tarfile.TarInfo(path)
+            data = blobs[entry.sha]
+            if entry.mode == "120000":
+                info.type = tarfile.SYMTYPE
+                info.linkname = data.decode("utf-8", errors="surrogateescape")
+            elif entry.mode in ("100644", "100755"):
+                info.size = len(data)
+                info.mode = 0o755 if entry.mode == "100755" else 0o644
+            else:
+                continue
+            archive.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    return buffer.getvalue()
+
+
+def _shell_status(result: SandboxResult) -> int:
+    """Exit status as a shell reports it: 128+N for a death by signal N."""
+    if result.exit_status is not None:
+        return result.exit_status
+    return 128 + (result.signal or 9)
+
+
+def _first_line(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "unknown"
+    return out.splitlines()[0].strip() if out else "unknown"

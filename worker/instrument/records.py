@@ -1,0 +1,183 @@
+"""The schema of what a generation records outside the lineage: observations and their index.
+
+Owns the pydantic models the pipeline writes to the observation store (the key
+layout is ``worker.instrument.keys``; run records, which the scheduler writes, are
+``worker.fleet.runs``). Every record is produced by the trusted worker
+or scheduler, never by an organism; organism-made text (stderr, prompts, responses)
+is carried as data and capped where it could grow without bound.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.instrument.physics import Physics
+
+Outcome = Literal[
+    "changed",
+    "no-change",
+    "process_exit",
+    "signal",
+    "wall_timeout",
+    "cgroup_oom",
+    "decoder_rejection",
+]
+DEATHS: frozenset[str] = frozenset(
+    {"process_exit", "signal", "wall_timeout", "cgroup_oom", "decoder_rejection"}
+)
+STDERR_CAP_BYTES = 1024 * 1024
+STDERR_CUT_MARK = "\n[... stderr cut at 1 MiB by the kernel ...]\n"
+
+
+class ModelCall(BaseModel):
+    """One request through the model socket, as the broker audited it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    started_at: datetime
+    duration_seconds: float
+    status: int
+    prompt: str
+    response: str | None
+    prompt_bytes: int = Field(0, ge=0)
+    # The generation's audited text passed its cap: prompt and response are kept as
+    # their sizes and sha256 only (every figure and every dollar is still here).
+    text_omitted: bool = False
+    prompt_sha256: str
+    response_sha256: str | None
+    requested_output_tokens: int | None
+    input_tokens: int
+    output_tokens: int
+    reserved_usd: Decimal
+    cost_usd: Decimal
+    error: str | None = None
+
+
+class Provenance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    worker_host: str
+    fleet_version: str
+    instrument_fingerprint: str
+    ceiling_driver: str
+    bwrap_version: str
+    emacs_version: str
+    task_id: str | None = None
+    attempt: int = 1
+    queue_wait_seconds: float | None = None
+
+
+class Observation(BaseModel):
+    """The trusted record of one generation, written once at its deterministic key."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    schema_name: Literal["ouroboros-observation/v1"] = Field(
+        "ouroboros-observation/v1", alias="schema"
+    )
+    lineage: str
+    generation: int = Field(ge=1)
+    parent_commit: str
+    lineage_commit: str
+    started_at: datetime
+    finished_at: datetime
+    duration_seconds: float
+    outcome: Outcome
+    rejection_reason: str | None = None
+    exit_status: int | None
+    signal: int | None = None
+    driver_result: str
+    cpu_usage_nsec: int | None
+    memory_peak_bytes: int | None
+    oom_kills: int
+    figure_sources: dict[str, str]
+    archive_bytes: int
+    published_bytes: int
+    published_files: int
+    provider: str
+    model: str | None
+    constraints: Physics
+    model_calls: list[ModelCall]
+    # Requests past the socket's call limit: answered 429, sent nowhere, only counted.
+    model_calls_over_limit: int = Field(0, ge=0)
+    spent_usd: Decimal
+    run_budget_exhausted: bool = Field(
+        False, description="a call was refused (402) under the run's narrowed budget"
+    )
+    stderr: str
+    stderr_truncated: bool
+    provenance: Provenance
+    run_id: str | None = None
+
+
+class IndexEntry(BaseModel):
+    """One generation's summary in the per-lineage index (what overviews and tables show)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generation: int
+    outcome: Outcome
+    parent_commit: str
+    lineage_commit: str
+    finished_at: datetime
+    duration_seconds: float
+    cpu_usage_nsec: int | None
+    memory_peak_bytes: int | None
+    model_calls: int
+    spent_usd: Decimal
+    run_id: str | None
+    run_budget_exhausted: bool = False
+
+    @classmethod
+    def of(cls, observation: Observation) -> IndexEntry:
+        return cls(
+            generation=observation.generation,
+            outcome=observation.outcome,
+            parent_commit=observation.parent_commit,
+            lineage_commit=observation.lineage_commit,
+            finished_at=observation.finished_at,
+            duration_seconds=observation.duration_seconds,
+            cpu_usage_nsec=observation.cpu_usage_nsec,
+            memory_peak_bytes=observation.memory_peak_bytes,
+            model_calls=len(observation.model_calls),
+            spent_usd=observation.spent_usd,
+            run_id=observation.run_id,
+            run_budget_exhausted=observation.run_budget_exhausted,
+        )
+
+
+class LineageIndex(BaseModel):
+    """Per-lineage index object: every stored observation's summary, in generation order.
+
+    Publication rewrites it after each observation lands, so browsing never has to
+    read every observation object. It is derived data: rebuildable from observations.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    lineage: str
+    generations: list[IndexEntry] = []
+
+    @classmethod
+    def parse(cls, raw: bytes | None, lineage: str) -> LineageIndex:
+        """The index as stored (``raw``), or an empty one for a lineage without it yet."""
+        return cls.model_validate_json(raw) if raw else cls(lineage=lineage)
+
+    def with_entry(self, entry: IndexEntry) -> LineageIndex:
+        kept = [e for e in self.generations if e.generation != entry.generation]
+        return self.model_copy(
+            update={"generations": sorted([*kept, entry], key=lambda e: e.generation)}
+        )
+
+
+def cap_stderr(raw: bytes) -> tuple[str, bool]:
+    """Decode stderr for the record, keeping at most 1 MiB and marking the cut."""
+    if len(raw) <= STDERR_CAP_BYTES:
+        return raw.decode("utf-8", errors="replace"), False
+    head = raw[:STDERR_CAP_BYTES].decode("utf-8", errors="replace")
+    return head + STDERR_CUT_MARK, True
