@@ -70,11 +70,14 @@ class Spool:
     def pending(self, lineage: str | None = None) -> list[Publication]:
         """Entries in generation order, optionally of one lineage."""
         pattern = f"{lineage}.*.json" if lineage else "*.json"
-        entries = [
-            Publication.model_validate_json(path.read_bytes())
-            for path in sorted(self.root.glob(pattern))
-            if not path.name.startswith(".")
-        ]
+        entries = []
+        for path in sorted(self.root.glob(pattern)):
+            if path.name.startswith("."):
+                continue
+            try:
+                entries.append(Publication.model_validate_json(path.read_bytes()))
+            except FileNotFoundError:
+                continue  # finished by another process of this worker meanwhile
         return [entry for entry in entries if lineage is None or entry.lineage == lineage]
 
     def _sync_dir(self) -> None:
