@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import socket
 import subprocess
 import threading
@@ -632,7 +631,6 @@ def test_scripted_latency_past_the_timeout_is_unavailable() -> None:
         provider.generate("p", 3, 0.2, CONTEXT)
 
 
-@pytest.mark.skipif(shutil.which("emacs") is None, reason="needs emacs")
 def test_scripted_body_stays_loadable_emacs_lisp(tmp_path: Path) -> None:
     source = '(defvar organism-seen "a ) paren in a string")\n(setq organism-loaded t)'
     body = tmp_path / "organism.el"

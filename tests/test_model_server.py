@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import os
-import shutil
 import socket
 import stat
 import subprocess
@@ -490,7 +488,7 @@ def test_socket_is_private_to_the_worker_uid_and_removed_at_exit(tmp_path: Path)
     assert not path.exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="handing the socket to another uid needs root")
+@pytest.mark.root
 def test_socket_handed_to_the_sandbox_uid_stays_private_to_it(tmp_path: Path) -> None:
     path = tmp_path / "model.sock"
 
@@ -619,10 +617,6 @@ def run_elisp_client(
     return (answer.read_text(encoding="utf-8") if answer.exists() else ""), done.stdout
 
 
-needs_emacs = pytest.mark.skipif(shutil.which("emacs") is None, reason="needs emacs")
-
-
-@needs_emacs
 def test_emacs_lisp_organism_gets_the_model_answer_through_the_socket(
     serve: Serve, tmp_path: Path
 ) -> None:
@@ -636,7 +630,6 @@ def test_emacs_lisp_organism_gets_the_model_answer_through_the_socket(
     assert provider.asked[0][:2] == ("réécris-toi ✓", 77)
 
 
-@needs_emacs
 def test_emacs_lisp_organism_sees_error_status_and_reason(serve: Serve, tmp_path: Path) -> None:
     broker = serve(DoubleProvider(), Physics(max_prompt_bytes=1000, budget_usd=Decimal(0)))
 
