@@ -27,7 +27,13 @@ from hypothesis import strategies as st
 from lineage_support import Fleet
 from test_pipeline import make_lineage, run_one
 
-from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
+from worker.instrument.decoder import (
+    DecodeLimits,
+    DecoderRejection,
+    TreeEntry,
+    _is_gitmodules,
+    decode_archive,
+)
 from worker.instrument.names import KERNEL_OWNED
 from worker.instrument.physics import Physics
 
@@ -338,12 +344,15 @@ def test_names_merely_starting_with_dot_git_are_kept(tmp_path: Path) -> None:
     assert sorted(decode(archive, tmp_path / "dest")) == sorted(names)
 
 
-def test_gitmodules_symlink_is_rejected_but_gitmodules_file_is_kept(tmp_path: Path) -> None:
-    kept = decode(build(regular(".gitmodules", b""), body()), tmp_path / "ok")
-    assert list(kept) == [".gitmodules", "organism.el"]
+def test_gitmodules_in_any_spelling_git_knows_is_rejected_as_file_or_symlink(
+    tmp_path: Path,
+) -> None:
+    # A planted submodule URL ("--upload-pack=...") fails git fsck, so a mirror that
+    # checks objects would refuse the lineage: no .gitmodules is ever committed.
     for name in (".gitmodules", "sub/.GitModules", "gitmod~1", ".gitmodules "):
-        reason = rejection(build(link(name, "/etc/passwd")), tmp_path / "dest")
-        assert "a symlink named .gitmodules" in reason
+        planted = regular(name, b'[submodule "x"]\n\turl = --upload-pack=touch /tmp/pwned\n')
+        assert "a .gitmodules" in rejection(build(planted, body()), tmp_path / "file")
+        assert "a .gitmodules" in rejection(build(link(name, "/etc/passwd")), tmp_path / "link")
 
 
 @pytest.mark.parametrize("owned", sorted(KERNEL_OWNED))
@@ -556,7 +565,10 @@ def test_decoder_refuses_exactly_the_paths_git_would_silently_drop(
             decoder_kept = True
         except DecoderRejection:
             decoder_kept = False
-        assert decoder_kept == (path in git_kept and path.isprintable()), (path, is_symlink)
+        # Beyond git: no .gitmodules at all, in git's own spellings of it (fsck's rule).
+        expected = path in git_kept and path.isprintable()
+        expected = expected and not _is_gitmodules(tuple(path.split("/")))
+        assert decoder_kept == expected, (path, is_symlink)
 
 
 # --- hostile archives ------------------------------------------------------------------

@@ -211,3 +211,10 @@ def test_the_committed_journal_holds_no_raw_terminal_bytes(tmp_path: Path) -> No
     # The observation keeps what the organism wrote, byte for byte.
     stderr = str(fleet.observation("painter", 1)["stderr"])
     assert "\x1b]0;owned\x07" in stderr and "\x9b2J" in stderr and "\u202e" in stderr
+
+
+def test_a_death_adds_at_most_a_few_kilobytes_to_the_journal_however_long_its_lines() -> None:
+    stderr = "\n".join(["\x01" * 200_000] * 5)
+    entry = journal.entry_died(3, 5, stderr, datetime(2026, 12, 1, tzinfo=UTC))
+    assert len(entry.encode()) < 5 * (4 * journal.JOURNAL_LINE_CHARS + 100) + 200
+    assert entry.count("[199500 more characters in the observation]") == 5

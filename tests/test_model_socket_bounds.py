@@ -363,6 +363,17 @@ def test_past_the_audited_text_cap_calls_keep_sizes_hashes_and_cost_but_not_thei
     assert second.cost_usd == first.cost_usd > 0
 
 
+def test_the_audited_text_cap_counts_text_as_the_observation_spells_it(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 60 control bytes are 360 bytes of JSON: over a 100-byte cap from the first call.
+    monkeypatch.setattr(model_socket, "AUDIT_TEXT_BYTES", 100)
+    broker = serve(DoubleProvider())
+    assert request(broker, b"\x01" * 60)[0] == 200
+    (call,) = broker.calls
+    assert call.text_omitted and call.prompt_bytes == 60
+
+
 # --- a flood, against a broker in a process of its own -----------------------------------
 
 BROKER_PROCESS = r"""

@@ -122,6 +122,35 @@ def test_a_shadow_beside_the_body_is_an_ordinary_file_never_loaded(tmp_path: Pat
     assert "organism.el ran" in str(fleet.observation("shadowed", 2)["stderr"])
 
 
+# Plants, where an Emacs with HOME=/work would look for its native-compilation cache
+# before it loads organism.el, a broken .eln for a library that start-up itself loads.
+ELN_SHADOW = """
+(when (featurep 'native-compile)
+  (let* ((source (locate-file "regexp-opt" load-path '(".el" ".el.gz")))
+         (eln (file-name-nondirectory (comp-el-to-eln-filename source)))
+         (dir (expand-file-name comp-native-version-dir "/work/.emacs.d/eln-cache/")))
+    (make-directory dir t)
+    (unless (file-symlink-p (expand-file-name eln dir))
+      (make-symbolic-link "/dev/null" (expand-file-name eln dir)))))
+(message "home %s, first eln dir %s" (getenv "HOME")
+         (and (boundp 'native-comp-eln-load-path) (car native-comp-eln-load-path)))
+"""
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_an_emacs_cache_planted_under_work_is_never_loaded_by_a_later_life(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "planted", ELN_SHADOW)
+    run_one(fleet, "planted")
+    stderr = str(fleet.observation("planted", 1)["stderr"])
+    assert "home /tmp," in stderr and "/work" not in stderr.split("first eln dir")[1]
+    assert_next_life_is_ordinary(fleet, "planted")
+
+
 # --- a death repairs a lineage recorded before the rule ---------------------------------
 
 

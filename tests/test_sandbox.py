@@ -346,7 +346,7 @@ def test_sandbox_environment_holds_no_secret(
         files = published(run_sandbox(kernel, SMALL, cgroup1, label, emacs, identity))
     environment = dict(line.split("=", 1) for line in files["environment"].decode().splitlines())
     assert set(environment) <= {"HOME", "PATH", "PWD", "OLDPWD"}
-    assert (environment["HOME"], environment["PATH"]) == ("/work", "/usr/bin:/bin")
+    assert (environment["HOME"], environment["PATH"]) == ("/tmp", "/usr/bin:/bin")
     seen = files["environment"] + files["processes"]
     # pid 1 is the staging runner, whose argv names only paths inside the sandbox.
     assert b"/kernel/sh\0/kernel/stage.sh\0" in files["processes"]
@@ -445,7 +445,7 @@ def test_bwrap_argv_isolates_the_sandbox(tmp_path: Path, emacs: Path) -> None:
         "/dev",
     ]
     settings = [tuple(arguments[i + 1 : i + 3]) for i, a in enumerate(arguments) if a == "--setenv"]
-    assert settings == [("HOME", "/work"), ("PATH", "/usr/bin:/bin")]
+    assert settings == [("HOME", "/tmp"), ("PATH", "/usr/bin:/bin")]
     assert joined.count(str(tmp_path)) == 1  # the kernel directory, read-only
     assert str(lineage) not in joined and ".git" not in joined
 

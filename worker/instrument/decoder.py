@@ -436,6 +436,10 @@ def _admit(
     declared.add(parts)
     if kind == "dir":
         return None
+    if _is_gitmodules(parts):
+        # git fsck refuses submodule URLs an organism could write there, and a mirror or
+        # shared repository that checks objects would then refuse the lineage's pushes.
+        raise _Broken("a .gitmodules (or a name git treats so) cannot be committed")
     if kind == "file":
         return _Planned(
             parts=parts,
@@ -445,8 +449,6 @@ def _admit(
             data=header.data,
             target=None,
         )
-    if _is_symlinked_gitmodules(parts):
-        raise _Broken("a symlink named .gitmodules (or a name git treats so) cannot be committed")
     target = _utf8(header.linkname, "the symlink target")
     _check_target(target)
     return _Planned(
@@ -523,9 +525,9 @@ def _is_dotgit(part: str) -> bool:
     return bool(_NTFS_DOTGIT.fullmatch(part)) or _hfs_folded(part) == ".git"
 
 
-def _is_symlinked_gitmodules(parts: tuple[str, ...]) -> bool:
-    """git's verify_path for a symlink: an HFS+ ".gitmodules" as any component, or an NTFS
-    one at any component, which git reads on to the end of the path or to a ':'."""
+def _is_gitmodules(parts: tuple[str, ...]) -> bool:
+    """git's own spellings of ".gitmodules": an HFS+ one as any component, or an NTFS one
+    at any component, which git reads on to the end of the path or to a ':'."""
     return any(
         _hfs_folded(part) == ".gitmodules"
         or _NTFS_DOTGITMODULES.fullmatch("/".join(parts[index:])) is not None

@@ -26,6 +26,9 @@ import unicodedata
 from datetime import datetime
 
 JOURNAL_STDERR_LINES = 5
+# Characters of one stderr line the journal keeps (the observation keeps them all): the
+# journal is committed whole with every generation, so what a death adds stays small.
+JOURNAL_LINE_CHARS = 500
 # Matches the subject of a death commit, in this wording and the original's.
 DEATH_SUBJECT = r"^gen [0-9]+: died "
 # What a terminal acts on or hides rather than shows (see the module docstring).
@@ -70,8 +73,16 @@ def entry_died(generation: int, exit_code: int, stderr: str, when: datetime) -> 
     text = stderr.rstrip()
     # Lines end at a newline only: a CR or another break inside a line is shown, escaped.
     tail = text.split("\n")[-JOURNAL_STDERR_LINES:] if text else []
-    fenced = "".join(f"{_inert(_legible(line))}\n" for line in tail)
+    fenced = "".join(f"{_inert(_legible(_shortened(line)))}\n" for line in tail)
     return _heading(generation, "died", when) + f"exit {exit_code}\n~~~\n{fenced}~~~\n"
+
+
+def _shortened(line: str) -> str:
+    """At most JOURNAL_LINE_CHARS of the line, saying how much was left out."""
+    if len(line) <= JOURNAL_LINE_CHARS:
+        return line
+    left_out = len(line) - JOURNAL_LINE_CHARS
+    return f"{line[:JOURNAL_LINE_CHARS]} [{left_out} more characters in the observation]"
 
 
 def _legible(line: str) -> str:

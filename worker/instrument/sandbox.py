@@ -123,7 +123,10 @@ def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> tuple[list[st
         raise Refusal("bubblewrap is not installed on this worker; install the bubblewrap package")
     options = [
         "--clearenv",
-        *("--setenv", "HOME", "/work", "--setenv", "PATH", SANDBOX_PATH),
+        # HOME is the life's own /tmp, never /work: Emacs looks in ~/.emacs.d (its
+        # native-compilation cache first of all) before it loads organism.el, so a
+        # HOME that was committed would let one life plant what every later one loads.
+        *("--setenv", "HOME", "/tmp", "--setenv", "PATH", SANDBOX_PATH),
         "--unshare-all",
         # Implied by --unshare-all; spelled out so that the options alone show there is no network.
         "--unshare-net",

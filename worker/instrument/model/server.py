@@ -33,6 +33,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import json
 import logging
 import os
 import queue
@@ -484,7 +485,9 @@ class ModelSocket:
             answer = response
         elif error is None:
             error = answer
-        text_bytes = len(call.prompt) + (len(response.encode("utf-8")) if response else 0)
+        prompt = call.prompt.decode("utf-8", errors="replace")
+        # Counted as the record will be written: JSON spells a control byte in 6.
+        text_bytes = _json_bytes(prompt) + (_json_bytes(response) if response else 0)
         with self._lock:
             # Past the cap a record keeps sizes, hashes, tokens and cost, never the text.
             keep_text = self._audited_text + text_bytes <= AUDIT_TEXT_BYTES
@@ -495,7 +498,7 @@ class ModelSocket:
             started_at=call.started_at,
             duration_seconds=time.monotonic() - call.clock,
             status=status,
-            prompt=call.prompt.decode("utf-8", errors="replace") if keep_text else "",
+            prompt=prompt if keep_text else "",
             response=response if keep_text else None,
             prompt_bytes=len(call.prompt),
             text_omitted=not keep_text,
@@ -515,6 +518,11 @@ class ModelSocket:
         with self._lock:
             self._calls.append(record)
         return status, answer
+
+
+def _json_bytes(text: str) -> int:
+    """The size of ``text`` as a JSON string in the observation."""
+    return len(json.dumps(text, ensure_ascii=False).encode("utf-8"))
 
 
 class _Exchange:
