@@ -3,12 +3,13 @@
 Every case runs against both forms: ``LocalThrottle`` (the instrument's in-process
 cap) and ``RedisThrottle`` on the machine's real Redis (keys under a prefix of the
 test's own, so concurrent suites never share a count). Two RedisThrottle objects
-with clients of their own stand for two workers. The window of the rates is cut
-from a minute to a second so that the cases run in seconds.
+with clients of their own stand for two workers. The "minute" of the paces is cut
+to a second so that the cases run in seconds.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -74,36 +75,38 @@ def test_concurrent_calls_beyond_the_cap_wait_until_one_ends(make_throttle: Make
     assert len(waited) == 1 and waited[0] >= 0.5
 
 
-def test_requests_beyond_the_rate_wait_for_the_window(make_throttle: MakeThrottle) -> None:
-    cap = Cap(requests_per_minute=3, window_seconds=WINDOW)
+def test_requests_are_paced_one_per_minute_over_the_rate_across_workers(
+    make_throttle: MakeThrottle,
+) -> None:
+    cap = Cap(requests_per_minute=4, window_seconds=WINDOW)
     workers = [make_throttle(cap), make_throttle(cap)]
-    started = time.monotonic()
 
     admitted = []
-    for number in range(5):
+    for number in range(6):
         with workers[number % 2].admit("p", 1, soon(), NEVER):
-            admitted.append(time.monotonic() - started)
+            admitted.append(time.monotonic())
 
-    assert admitted[2] < 0.5 * WINDOW
-    # The fourth and fifth each waited for one of the first three to leave the window.
-    assert admitted[3] >= 0.9 * WINDOW
-    assert admitted[4] >= 0.9 * WINDOW
+    # Never a burst: each request a quarter of the "minute" after the one before, so no
+    # window of that length, nor any shorter one, holds more than its share.
+    gaps = [later - earlier for earlier, later in itertools.pairwise(admitted)]
+    assert all(gap >= 0.9 * WINDOW / 4 for gap in gaps), gaps
 
 
-def test_estimated_tokens_beyond_the_rate_wait_for_the_window(make_throttle: MakeThrottle) -> None:
+def test_each_request_holds_back_the_next_for_its_tokens_share(
+    make_throttle: MakeThrottle,
+) -> None:
     throttle = make_throttle(Cap(tokens_per_minute=1000, window_seconds=WINDOW))
-    started = time.monotonic()
 
-    with throttle.admit("p", 600, soon(), NEVER):
-        pass
-    with throttle.admit("p", 600, soon(), NEVER):
-        second = time.monotonic() - started
-    # A request larger than the whole budget still goes, alone, once the window is clear.
-    with throttle.admit("p", 5000, soon(), NEVER):
-        third = time.monotonic() - second - started
+    with throttle.admit("p", 300, soon(), NEVER):
+        first = time.monotonic()
+    # Larger than the whole minute's budget: it goes, and is followed by a longer gap.
+    with throttle.admit("p", 2000, soon(), NEVER):
+        second = time.monotonic()
+    with throttle.admit("p", 1, soon(), NEVER):
+        third = time.monotonic()
 
-    assert second >= 0.9 * WINDOW
-    assert third >= 0.9 * WINDOW
+    assert second - first >= 0.9 * 0.3 * WINDOW
+    assert third - second >= 0.9 * 2 * WINDOW
 
 
 def test_each_provider_has_a_cap_of_its_own(make_throttle: MakeThrottle) -> None:
@@ -190,9 +193,10 @@ def test_the_idle_cap_leaves_no_key_behind(prefix: str) -> None:
     with throttle.admit("p", 1, soon(), NEVER):
         pass
 
-    calls, requests = throttle.keys("p")
-    assert client.zcard(calls) == 0
-    assert 0 < client.pttl(requests) <= 60_000
+    calls, pace = throttle.keys("p")
+    assert not client.exists(calls)
+    # The pace outlives the last request by its gap (12 s at 5 a minute) and a second.
+    assert 0 < client.pttl(pace) <= 13_000
 
 
 def test_the_settings_default_to_a_cap_every_paid_tier_can_take() -> None:

@@ -1,19 +1,20 @@
 """The fleet-wide cap on model calls, shared by every worker through the broker's Redis.
 
 Owns ``RedisThrottle``, the instrument's ``Throttle``
-(``worker.instrument.model.throttle``) kept in Redis, and ``model_cap``, the cap the
-settings ask for. Per provider, two sorted sets:
+(``worker.instrument.model.throttle``, which defines the cap's limits and paces)
+kept in Redis, and ``model_cap``, the cap the settings ask for. Per provider, two keys:
 
-* ``ouroboros:model-cap:<provider>:calls``: the calls in progress, each scored by
-  when its hold expires (its call's deadline plus a margin), so a worker that dies
-  mid-call frees its room when that time comes and nobody waits on it for ever;
-* ``ouroboros:model-cap:<provider>:requests``: the requests admitted in the last
-  minute, ``<id>:<tokens>`` scored by when they were admitted.
+* ``ouroboros:model-cap:<provider>:calls``: a sorted set of the calls in progress,
+  each scored by when its hold expires (its call's deadline plus a margin), so a
+  worker that dies mid-call frees its room when that time comes and nobody waits
+  on it for ever;
+* ``ouroboros:model-cap:<provider>:pace``: a hash of the earliest times the next
+  request may go by the request pace and by the token pace.
 
-One Lua script drops what has expired, checks every limit and takes room at once,
-on Redis's own clock, so the hosts' clocks never matter. Both keys expire when idle.
-A waiter looks again when the script says room will come (a request leaving the
-minute), or every ``POLL_SECONDS`` while it waits for a call to end.
+One Lua script drops expired holds, checks every limit and takes room at once, on
+Redis's own clock, so the hosts' clocks never matter. Both keys expire when idle.
+A waiter looks again when the script says the pace allows, or every
+``POLL_SECONDS`` while it waits for a call to end.
 
 Correctness never rests on Redis: when it cannot be reached the attempt goes ahead
 uncapped and its record says so. The cap only spares the vendor a stampede; the
@@ -46,52 +47,38 @@ HOLD_MARGIN_SECONDS = 30.0
 # The longest a waiter sleeps before looking again, even when told to wait longer.
 MAX_SLEEP_SECONDS = 2.0
 
-# KEYS: calls, requests. ARGV: id, tokens, hold ms, concurrent calls, requests and
-# tokens per window, window ms. Returns 0 once room is taken, -1 to wait for a call to
-# end, or the milliseconds until enough of the window has passed.
+# KEYS: calls, pace. ARGV: id, tokens, hold ms, concurrent calls, requests and tokens
+# per window, window ms. Returns 0 once room is taken, -1 to wait for a call to end,
+# or the milliseconds until the pace lets the next request go.
 _ADMIT = """
 if redis.replicate_commands then redis.replicate_commands() end
 local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 local id, tokens, hold = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local calls, requests, budget = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local window = tonumber(ARGV[7])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
 if calls > 0 and redis.call('ZCARD', KEYS[1]) >= calls then
   return -1
 end
-if requests > 0 or budget > 0 then
-  local log = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-  local count = #log / 2
-  if requests > 0 and count >= requests then
-    return math.max(1, tonumber(log[(count - requests) * 2 + 2]) + window - now)
-  end
-  if budget > 0 and count > 0 then
-    local used = 0
-    for i = 1, #log, 2 do
-      used = used + tonumber(string.match(log[i], ':(%d+)$'))
-    end
-    local excess = used + tokens - budget
-    if excess > 0 then
-      -- Wait until enough of the oldest requests leave; one larger than the whole
-      -- budget goes alone, into an empty minute.
-      for i = 1, #log, 2 do
-        excess = excess - tonumber(string.match(log[i], ':(%d+)$'))
-        if excess <= 0 then
-          return math.max(1, tonumber(log[i + 1]) + window - now)
-        end
-      end
-      return math.max(1, tonumber(log[#log]) + window - now)
-    end
-  end
+local by_requests = tonumber(redis.call('HGET', KEYS[2], 'requests') or 0)
+local by_tokens = tonumber(redis.call('HGET', KEYS[2], 'tokens') or 0)
+local ready = math.max(by_requests, by_tokens)
+if ready > now then
+  return math.max(1, math.ceil(ready - now))
 end
+if requests > 0 then
+  by_requests = math.max(by_requests, now) + window / requests
+end
+if budget > 0 then
+  by_tokens = math.max(by_tokens, now) + tokens * window / budget
+end
+redis.call('HSET', KEYS[2], 'requests', by_requests, 'tokens', by_tokens)
+redis.call('PEXPIRE', KEYS[2], math.ceil(math.max(by_requests, by_tokens) - now) + 1000)
 redis.call('ZADD', KEYS[1], now + hold, id)
 if redis.call('PTTL', KEYS[1]) < hold then
   redis.call('PEXPIRE', KEYS[1], hold)
 end
-redis.call('ZADD', KEYS[2], now, id .. ':' .. tokens)
-redis.call('PEXPIRE', KEYS[2], window)
 return 0
 """
 
@@ -124,7 +111,7 @@ class RedisThrottle:
 
     def keys(self, provider: str) -> tuple[str, str]:
         base = f"{self.prefix}:model-cap:{provider}"
-        return f"{base}:calls", f"{base}:requests"
+        return f"{base}:calls", f"{base}:pace"
 
     @contextmanager
     def admit(

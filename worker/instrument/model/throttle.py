@@ -1,12 +1,24 @@
 """The cap on calls to a provider: the interface the model socket waits on, and its local form.
 
 Owns the ``Throttle`` protocol that the model socket calls before every attempt at a
-vendor, the ``Cap`` it enforces per provider (calls in progress at once, requests
-and estimated tokens per rolling minute; each off at 0), and ``LocalThrottle``,
-which enforces a cap within one process (``run --local``, the tests). The fleet's
-shared form, one cap for every worker through Redis, is
-``worker.fleet.model_throttle``; the fleet passes it in through the pipeline, so
-nothing here knows where the fleet keeps its state.
+vendor, the ``Cap`` it enforces per provider, and ``LocalThrottle``, which enforces a
+cap within one process (``run --local``, the tests). The fleet's shared form, one
+cap for every worker through Redis, is ``worker.fleet.model_throttle``; the fleet
+passes it in through the pipeline, so nothing here knows where the fleet keeps its
+state.
+
+A cap has three limits, each off at 0:
+
+* calls in progress at once;
+* requests per minute, as a pace: one request every minute / rate, never a burst.
+  Vendors meter with token buckets and may enforce a per-minute limit over shorter
+  intervals (60 per minute as 1 per second), so a minute's worth at once would be
+  refused even when the minute's total is not; paced, no rolling minute and no
+  shorter interval sees more than its share;
+* estimated tokens per minute, as a pace too: each request holds back the next one
+  for its own tokens' share of the minute (prompt bytes / 4 plus the output granted,
+  as vendors' limiters estimate), so a large request is never starved, only followed
+  by a longer gap.
 
 An attempt waits for room until its call's deadline, never longer: that wait is the
 call's, and the socket records it per attempt. Trusts its callers' figures.
@@ -16,7 +28,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -34,9 +45,8 @@ class Cap:
 
     concurrent_calls: int = 0
     requests_per_minute: int = 0
-    # Estimated as a vendor's limiter counts: prompt bytes / 4 plus the output granted.
     tokens_per_minute: int = 0
-    # The rolling "minute" the two rates are counted over (shorter only in tests).
+    # The "minute" of the two paces (shorter only in tests).
     window_seconds: float = WINDOW_SECONDS
 
 
@@ -85,7 +95,9 @@ class LocalThrottle:
         self.cap = cap or Cap()
         self._changed = threading.Condition()
         self._running: dict[str, int] = {}
-        self._admitted: dict[str, deque[tuple[float, int]]] = {}
+        # Per provider, the earliest time (time.monotonic()) the next request may go
+        # by the request pace and by the token pace.
+        self._next: dict[str, tuple[float, float]] = {}
 
     @contextmanager
     def admit(
@@ -93,13 +105,12 @@ class LocalThrottle:
     ) -> Iterator[Admission]:
         started = time.monotonic()
         with self._changed:
-            while (wait := self._wait(provider, tokens)) > 0:
+            while (wait := self._wait(provider)) > 0:
                 now = time.monotonic()
                 if stop.is_set() or now >= deadline:
                     raise no_room(provider, now - started)
                 self._changed.wait(min(wait, deadline - now, POLL_SECONDS))
-            self._running[provider] = self._running.get(provider, 0) + 1
-            self._admitted.setdefault(provider, deque()).append((time.monotonic(), tokens))
+            self._take(provider, tokens)
         try:
             yield Admission(time.monotonic() - started)
         finally:
@@ -107,24 +118,21 @@ class LocalThrottle:
                 self._running[provider] -= 1
                 self._changed.notify_all()
 
-    def _wait(self, provider: str, tokens: int) -> float:
+    def _wait(self, provider: str) -> float:
         """0 when there is room now, else how long to wait before looking again."""
-        cap, now = self.cap, time.monotonic()
-        if cap.concurrent_calls and self._running.get(provider, 0) >= cap.concurrent_calls:
+        if (
+            self.cap.concurrent_calls
+            and self._running.get(provider, 0) >= self.cap.concurrent_calls
+        ):
             return POLL_SECONDS
-        admitted = self._admitted.setdefault(provider, deque())
-        while admitted and admitted[0][0] <= now - cap.window_seconds:
-            admitted.popleft()
-        if cap.requests_per_minute and len(admitted) >= cap.requests_per_minute:
-            oldest = admitted[len(admitted) - cap.requests_per_minute][0]
-            return oldest + cap.window_seconds - now
-        if cap.tokens_per_minute and admitted:
-            excess = sum(t for _, t in admitted) + tokens - cap.tokens_per_minute
-            if excess > 0:
-                for when, counted in admitted:
-                    excess -= counted
-                    if excess <= 0:
-                        return when + cap.window_seconds - now
-                # Larger than the whole cap: it goes alone, into an empty minute.
-                return admitted[-1][0] + cap.window_seconds - now
-        return 0.0
+        return max(self._next.get(provider, (0.0, 0.0))) - time.monotonic()
+
+    def _take(self, provider: str, tokens: int) -> None:
+        cap, now = self.cap, time.monotonic()
+        by_requests, by_tokens = self._next.get(provider, (now, now))
+        if cap.requests_per_minute:
+            by_requests = max(by_requests, now) + cap.window_seconds / cap.requests_per_minute
+        if cap.tokens_per_minute:
+            by_tokens = max(by_tokens, now) + tokens * cap.window_seconds / cap.tokens_per_minute
+        self._next[provider] = (by_requests, by_tokens)
+        self._running[provider] = self._running.get(provider, 0) + 1
