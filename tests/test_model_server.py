@@ -7,6 +7,7 @@ import hashlib
 import http.client
 import json
 import os
+import random
 import shutil
 import socket
 import stat
@@ -656,6 +657,17 @@ def test_a_passing_failure_is_tried_again_and_the_organism_gets_the_answer(
     assert (second.number, second.outcome, second.backoff_seconds) == (2, "answered", None)
     assert second.vendor_status == 200
     assert call.error is None and call.stop_reason == "complete"
+
+
+def test_backoff_doubles_up_to_its_cap_drawn_from_the_upper_half_unless_the_vendor_asks() -> None:
+    policy = RetryPolicy(first_backoff_seconds=1, max_backoff_seconds=30)
+    rng = random.Random(7)
+
+    for attempt, ceiling in [(1, 1), (2, 2), (3, 4), (5, 16), (6, 30), (9, 30)]:
+        waits = [policy.backoff_seconds(attempt, None, rng) for _ in range(50)]
+        assert all(ceiling / 2 <= wait <= ceiling for wait in waits)
+        assert len(set(waits)) > 1
+    assert policy.backoff_seconds(3, 0.25, rng) == 0.25
 
 
 def test_the_wait_before_the_next_attempt_is_what_the_vendor_asked_for(serve: Serve) -> None:

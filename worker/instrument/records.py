@@ -34,6 +34,10 @@ DEATHS: frozenset[str] = frozenset(
 # any other reason (a reasoning model that spent every token before answering included).
 StopReason = Literal["complete", "max_tokens", "refused", "incomplete"]
 STOP_REASONS: tuple[StopReason, ...] = ("complete", "max_tokens", "refused", "incomplete")
+# What became of one attempt at the vendor: answered (200); failed (the vendor's error,
+# or the connection's); no_slot (never sent: no room under the fleet's cap, or no free
+# model thread, before the call's deadline); abandoned (sent, and the deadline or the
+# end of the life came first).
 AttemptOutcome = Literal["answered", "failed", "no_slot", "abandoned"]
 STDERR_CAP_BYTES = 1024 * 1024
 STDERR_CUT_MARK = "\n[... stderr cut at 1 MiB by the kernel ...]\n"

@@ -653,7 +653,7 @@ class ModelSocket:
                 attempt.cap_waited = admission.waited_seconds
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NoRoom("the call's deadline passed while it waited", attempt.cap_waited)
+                raise no_room(self.provider.name, attempt.cap_waited)
             attempt.sent = time.monotonic()
             return self.provider.generate(
                 prompt, tokens, min(self.retry.stall_seconds, left), self.context
