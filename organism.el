@@ -12,7 +12,9 @@ The directory /work is yours to inspect and use. /kernel is read-only and owned 
 the kernel: /kernel/journal.md is the kernel's record of your lineage, and
 /kernel/capabilities.json describes what you may do and the limits you live under.
 You can ask a language model for text by POSTing a prompt to /generate on the Unix
-socket /kernel/model.sock; each call costs part of a fixed budget.
+socket /kernel/model.sock; each call costs part of a fixed budget. Each answer says
+how the model stopped in its X-Ouroboros-Stop-Reason header: only `complete' means
+the answer is whole (the others are max_tokens, refused and incomplete).
 
 You will receive your current source below. Respond with the complete text of the
 next version of this file, and nothing else: no explanation, no code fences.
@@ -34,7 +36,9 @@ Your reply becomes the file verbatim.")
     (or (alist-get name limits) default)))
 
 (defun organism--generate (prompt max-tokens)
-  "POST PROMPT to the kernel's model socket; return the reply or signal an error."
+  "POST PROMPT to the kernel's model socket; return (TEXT . STOP) or signal an error.
+STOP is how the model stopped, from the X-Ouroboros-Stop-Reason header:
+\"complete\", \"max_tokens\", \"refused\" or \"incomplete\" (nil if absent)."
   (let* ((body (encode-coding-string prompt 'utf-8))
          (buffer (generate-new-buffer " *model*"))
          (process nil))
@@ -60,13 +64,19 @@ Your reply becomes the file verbatim.")
             (goto-char (point-min))
             (unless (looking-at "HTTP/1\\.[01] \\([0-9]+\\)")
               (error "model socket: malformed reply"))
-            (let ((status (string-to-number (match-string 1))))
-              (search-forward "\r\n\r\n")
-              (let ((text (decode-coding-string
-                           (buffer-substring-no-properties (point) (point-max)) 'utf-8)))
-                (if (= status 200)
-                    text
-                  (error "model socket: HTTP %d: %s" status text))))))
+            (let* ((status (string-to-number (match-string 1)))
+                   (head-end (search-forward "\r\n\r\n"))
+                   (stop (progn
+                           (goto-char (point-min))
+                           (let ((case-fold-search t))
+                             (and (re-search-forward
+                                   "^X-Ouroboros-Stop-Reason: *\\([a-z_]+\\)" head-end t)
+                                  (match-string 1)))))
+                   (text (decode-coding-string
+                          (buffer-substring-no-properties head-end (point-max)) 'utf-8)))
+              (if (= status 200)
+                  (cons text stop)
+                (error "model socket: HTTP %d: %s" status text)))))
       (when process (delete-process process))
       (kill-buffer buffer))))
 
@@ -85,12 +95,17 @@ Your reply becomes the file verbatim.")
 (defun organism-step ()
   (let* ((tokens (min organism-max-output-tokens
                       (organism--limit 'max_output_tokens organism-max-output-tokens)))
-         (reply (organism--generate (organism--prompt) tokens)))
-    (when (> (length reply) 0)
-      (with-temp-file "/work/organism.el.tmp"
-        (set-buffer-file-coding-system 'utf-8-unix)
-        (insert reply))
-      (rename-file "/work/organism.el.tmp" "/work/organism.el" t))))
+         (answer (organism--generate (organism--prompt) tokens))
+         (reply (car answer))
+         (stop (cdr answer)))
+    ;; A cut, refused or unfinished answer is not a body: it would not even load.
+    (cond ((not (equal stop "complete"))
+           (message "organism: the model stopped (%s); this body lives on" stop))
+          ((> (length reply) 0)
+           (with-temp-file "/work/organism.el.tmp"
+             (set-buffer-file-coding-system 'utf-8-unix)
+             (insert reply))
+           (rename-file "/work/organism.el.tmp" "/work/organism.el" t)))))
 
 ;; A failed model call leaves the body as it is: a quiet no-change, not a death.
 (condition-case err

@@ -33,7 +33,14 @@ from worker.instrument.keys import generation_key, index_key
 from worker.instrument.lineage import create_lineage
 from worker.instrument.names import JOURNAL_PATH, ORGANISM_PATH
 from worker.instrument.physics import Physics
-from worker.instrument.records import IndexEntry, LineageIndex, ModelCall, Observation, Provenance
+from worker.instrument.records import (
+    IndexEntry,
+    LineageIndex,
+    ModelAttempt,
+    ModelCall,
+    Observation,
+    Provenance,
+)
 
 # Markup an unescaped page would run or render: a script, an event handler, a tag.
 PAYLOAD = "<script>alert('xss')</script><img src=x onerror=alert(1)><b>bold</b>"
@@ -179,6 +186,29 @@ def _observation(
                 reserved_usd=Decimal("0.01"),
                 cost_usd=Decimal("0.0012"),
                 error=PAYLOAD,
+                stop_reason="max_tokens",
+                attempts=[
+                    ModelAttempt(
+                        number=1,
+                        started_at=when - timedelta(seconds=2),
+                        cap_wait_seconds=0.25,
+                        request_seconds=0.1,
+                        outcome="failed",
+                        vendor_status=429,
+                        error=PAYLOAD,
+                        retry_after_seconds=0.1,
+                        backoff_seconds=0.1,
+                    ),
+                    ModelAttempt(
+                        number=2,
+                        started_at=when - timedelta(seconds=1.8),
+                        cap_wait_seconds=0.0,
+                        request_seconds=0.2,
+                        outcome="answered",
+                        vendor_status=200,
+                        cost_usd=Decimal("0.0012"),
+                    ),
+                ],
             )
         ],
         spent_usd=Decimal("0.0012"),

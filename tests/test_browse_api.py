@@ -113,6 +113,9 @@ def test_generation_page_shows_observation_model_calls_and_provenance(served: Se
     page = served.get("/lineages/xss/generations/1").text
     for text in ("Model calls", "40 in / 12 out tokens", "Provenance", "cgroup1"):
         assert text in page
+    # How the model stopped, and the attempt the vendor refused before it answered.
+    assert "stopped max_tokens" in page and "2 attempts" in page
+    assert "failed (HTTP 429), waited 0.25 s for the cap" in page
 
 
 def test_compare_and_family_views(served: Served) -> None:

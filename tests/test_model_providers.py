@@ -1,11 +1,19 @@
 """Providers: request and response translation against local stand-ins of each vendor API,
-the choice of provider with its refusals, keys and prices, and the scripted stand-in."""
+the choice of provider with its refusals, keys and prices, and the scripted stand-in.
+
+The stand-ins serve replies built with the vendors' own SDK types (``anthropic``,
+``openai``), so the parsers are checked against the shapes the vendors document:
+thinking blocks, several text blocks, refusals, replies cut at the token limit and
+reasoning that spent the whole budget. ``test_model_litellm.py`` speaks to a real
+server nobody here wrote.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -18,6 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from anthropic.types import Message as AnthropicMessage
+from anthropic.types import TextBlock, ThinkingBlock
+from anthropic.types import Usage as AnthropicUsage
+from openai.types.chat import ChatCompletion, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice
+from openai.types.completion_usage import CompletionUsage
+from openai.types.responses import (
+    Response,
+    ResponseOutputMessage,
+    ResponseOutputRefusal,
+    ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseUsage,
+)
+from openai.types.responses.response import IncompleteDetails
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
@@ -71,8 +95,11 @@ class StandIn:
     url: str = ""
     status: int = 200
     reply: object = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
     delay_seconds: float = 0.0
     location: str | None = None
+    # Reset the connection (RST) once the request is read, answering nothing.
+    reset: bool = False
     received: list[Received] = field(default_factory=list)
 
     def only_request(self) -> Received:
@@ -88,6 +115,12 @@ def stand_in() -> Iterator[StandIn]:
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             state.received.append(Received(self.path, self.headers, body))
+            if state.reset:
+                linger = struct.pack("ii", 1, 0)
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                self.connection.close()
+                self.close_connection = True
+                return
             time.sleep(state.delay_seconds)
             if state.location is not None:
                 self.send_response(302)
@@ -100,6 +133,8 @@ def stand_in() -> Iterator[StandIn]:
             )
             try:
                 self.send_response(state.status)
+                for name, value in state.headers.items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
@@ -136,6 +171,98 @@ def assert_key_only_in(received: Received, header: str, expected_value: str) -> 
             assert KEY not in value, name
 
 
+# --- replies in the vendors' own types (their SDKs' models) ---------------------------------
+
+
+def thinking(text: str) -> ThinkingBlock:
+    return ThinkingBlock(type="thinking", thinking=text, signature="sig")
+
+
+def anthropic_message(
+    content: list[Any], stop_reason: Any, *, usage: tuple[int, int]
+) -> dict[str, Any]:
+    return AnthropicMessage(
+        id="msg_1",
+        type="message",
+        role="assistant",
+        model="claude-sonnet-4-6",
+        content=content,
+        stop_reason=stop_reason,
+        stop_sequence=None,
+        usage=AnthropicUsage(input_tokens=usage[0], output_tokens=usage[1]),
+    ).model_dump(mode="json")
+
+
+def output_text(text: str) -> ResponseOutputText:
+    return ResponseOutputText(type="output_text", text=text, annotations=[])
+
+
+def refusal(text: str) -> ResponseOutputRefusal:
+    return ResponseOutputRefusal(type="refusal", refusal=text)
+
+
+def message(*parts: ResponseOutputText | ResponseOutputRefusal) -> ResponseOutputMessage:
+    return ResponseOutputMessage(
+        id="msg_1", type="message", role="assistant", status="completed", content=list(parts)
+    )
+
+
+def reasoning() -> ResponseReasoningItem:
+    return ResponseReasoningItem(id="rs_1", type="reasoning", summary=[])
+
+
+def openai_response(
+    output: list[Any], status: Any, *, usage: tuple[int, int], incomplete: Any = None
+) -> dict[str, Any]:
+    return Response(
+        id="resp_1",
+        created_at=1_767_225_600.0,
+        model="gpt-5.6",
+        object="response",
+        output=output,
+        parallel_tool_calls=False,
+        tool_choice="auto",
+        tools=[],
+        status=status,
+        incomplete_details=IncompleteDetails(reason=incomplete) if status == "incomplete" else None,
+        usage=ResponseUsage(
+            input_tokens=usage[0],
+            input_tokens_details=InputTokensDetails(cached_tokens=0, cache_write_tokens=0),
+            output_tokens=usage[1],
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=usage[1]),
+            total_tokens=sum(usage),
+        ),
+    ).model_dump(mode="json")
+
+
+def chat_completion(
+    content: str | None,
+    finish_reason: Any,
+    *,
+    usage: tuple[int, int] | None,
+    refusal: str | None = None,
+) -> dict[str, Any]:
+    completion = ChatCompletion(
+        id="chatcmpl-1",
+        object="chat.completion",
+        created=1_767_225_600,
+        model="m",
+        choices=[
+            Choice(
+                index=0,
+                finish_reason=finish_reason,
+                message=ChatCompletionMessage(role="assistant", content=content, refusal=refusal),
+            )
+        ],
+    )
+    if usage is not None:
+        completion.usage = CompletionUsage(
+            prompt_tokens=usage[0], completion_tokens=usage[1], total_tokens=sum(usage)
+        )
+    # Unset fields stay out, as the API leaves out usage when it has none to report.
+    return completion.model_dump(mode="json", exclude_unset=True)
+
+
 # --- anthropic ---------------------------------------------------------------------------
 
 
@@ -143,18 +270,15 @@ def test_anthropic_sends_a_messages_request_and_joins_the_text_blocks(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
-    stand_in.reply = {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "content": [
-            {"type": "thinking", "thinking": "hmm", "signature": "x"},
-            {"type": "text", "text": "(next "},
-            {"type": "text", "text": "body)"},
+    stand_in.reply = anthropic_message(
+        [
+            thinking("hmm"),
+            TextBlock(type="text", text="(next "),
+            TextBlock(type="text", text="body)"),
         ],
-        "stop_reason": "end_turn",
-        "usage": {"input_tokens": 11, "output_tokens": 7, "cache_read_input_tokens": 0},
-    }
+        "end_turn",
+        usage=(11, 7),
+    )
     provider = make_provider(
         "anthropic", "claude-sonnet-4-6", settings(anthropic_base_url=stand_in.url)
     )
@@ -162,6 +286,7 @@ def test_anthropic_sends_a_messages_request_and_joins_the_text_blocks(
     reply = provider.generate("my prompt ✓", 321, 5, CONTEXT)
 
     assert (reply.text, reply.input_tokens, reply.output_tokens) == ("(next body)", 11, 7)
+    assert reply.stop_reason == "complete"
     request = stand_in.only_request()
     assert request.path == "/v1/messages"
     assert request.headers["anthropic-version"] == "2023-06-01"
@@ -175,21 +300,50 @@ def test_anthropic_sends_a_messages_request_and_joins_the_text_blocks(
     assert "Authorization" not in request.headers
 
 
-def test_anthropic_reply_without_text_blocks_is_an_empty_answer(
+def test_anthropic_refusal_without_text_blocks_is_an_empty_refused_answer(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
-    stand_in.reply = {
-        "content": [],
-        "stop_reason": "refusal",
-        "usage": {"input_tokens": 5, "output_tokens": 0},
-    }
+    stand_in.reply = anthropic_message([], "refusal", usage=(5, 0))
     provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
 
     reply = provider.generate("p", 10, 5, CONTEXT)
 
     assert (reply.text, reply.input_tokens, reply.output_tokens) == ("", 5, 0)
+    assert reply.stop_reason == "refused"
     assert stand_in.only_request().json()["model"] == "claude-opus-4-8"
+
+
+@pytest.mark.parametrize(
+    ("blocks", "vendor_stop", "text", "stop"),
+    [
+        (["(a ", "b)"], "end_turn", "(a b)", "complete"),
+        (["(a ", "b)"], "stop_sequence", "(a b)", "complete"),
+        (["(defun cut-he"], "max_tokens", "(defun cut-he", "max_tokens"),
+        ([], "max_tokens", "", "incomplete"),
+        (["part"], "pause_turn", "part", "incomplete"),
+        (["part"], "model_context_window_exceeded", "part", "incomplete"),
+        (["I will not"], "refusal", "I will not", "refused"),
+        (["x"], None, "x", "incomplete"),
+    ],
+)
+def test_anthropic_stop_reason_says_whether_the_answer_is_whole(
+    stand_in: StandIn,
+    monkeypatch: pytest.MonkeyPatch,
+    blocks: list[str],
+    vendor_stop: str | None,
+    text: str,
+    stop: str,
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    # Thinking first, as an extended-thinking model answers: the working is not the answer.
+    content = [thinking("let me see"), *(TextBlock(type="text", text=b) for b in blocks)]
+    stand_in.reply = anthropic_message(content, vendor_stop, usage=(9, 4))
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    reply = provider.generate("p", 4, 5, CONTEXT)
+
+    assert (reply.text, reply.stop_reason) == (text, stop)
 
 
 def test_vendor_http_error_names_status_and_type_but_neither_key_nor_vendor_prose(
@@ -227,7 +381,7 @@ def test_refused_connection_is_unavailable_and_cannot_have_billed(
     ("reply", "reason"),
     [
         (b"<html>gateway</html>", "reply is not JSON"),
-        ({"content": [{"type": "text", "text": "x"}]}, "lacks the expected fields"),
+        ({"usage": {"input_tokens": 1, "output_tokens": 1}}, "lacks the expected fields"),
         ({"content": "x", "usage": {"input_tokens": 1, "output_tokens": 1}}, "at content"),
     ],
 )
@@ -252,11 +406,13 @@ def test_vendor_silent_past_the_timeout_is_unavailable_and_may_have_billed(
     provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
 
     started = time.monotonic()
-    with pytest.raises(ProviderUnavailable, match="connection lost") as failure:
+    with pytest.raises(ProviderUnavailable) as failure:
         provider.generate("p", 10, 0.3, CONTEXT)
 
     assert time.monotonic() - started < 1.4
+    assert str(failure.value) == "anthropic stalled: nothing for 0.3 s after the request was sent"
     assert failure.value.may_have_billed is True
+    assert failure.value.retryable is True
 
 
 # --- openai ------------------------------------------------------------------------------
@@ -266,34 +422,66 @@ def test_openai_sends_a_responses_request_and_joins_the_output_text(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    stand_in.reply = {
-        "id": "resp_1",
-        "object": "response",
-        "status": "completed",
-        "output": [
-            {"type": "reasoning", "id": "rs_1", "summary": []},
-            {
-                "type": "message",
-                "role": "assistant",
-                "content": [
-                    {"type": "output_text", "text": "hello ", "annotations": []},
-                    {"type": "refusal", "refusal": "no"},
-                    {"type": "output_text", "text": "world", "annotations": []},
-                ],
-            },
-        ],
-        "usage": {"input_tokens": 20, "output_tokens": 30, "total_tokens": 50},
-    }
+    stand_in.reply = openai_response(
+        [reasoning(), message(output_text("hello "), refusal("no"), output_text("world"))],
+        "completed",
+        usage=(20, 30),
+    )
     provider = make_provider("openai", "gpt-5.6", settings(openai_base_url=stand_in.url + "/"))
 
     reply = provider.generate("prompt", 1234, 5, CONTEXT)
 
     assert (reply.text, reply.input_tokens, reply.output_tokens) == ("hello world", 20, 30)
+    assert reply.stop_reason == "complete"
     request = stand_in.only_request()
     assert request.path == "/v1/responses"
     assert request.headers["content-type"] == "application/json"
-    assert request.json() == {"model": "gpt-5.6", "input": "prompt", "max_output_tokens": 1234}
+    # store false: the vendor would otherwise keep the prompt and answer for 30 days.
+    assert request.json() == {
+        "model": "gpt-5.6",
+        "input": "prompt",
+        "max_output_tokens": 1234,
+        "store": False,
+    }
     assert_key_only_in(request, "Authorization", f"Bearer {KEY}")
+
+
+@pytest.mark.parametrize(
+    ("output", "status", "reason", "text", "stop"),
+    [
+        (lambda: [message(output_text("done"))], "completed", None, "done", "complete"),
+        (
+            lambda: [reasoning(), message(output_text("(defun cut"))],
+            "incomplete",
+            "max_output_tokens",
+            "(defun cut",
+            "max_tokens",
+        ),
+        # A reasoning model that spent its whole budget thinking: no answer at all.
+        (lambda: [reasoning()], "incomplete", "max_output_tokens", "", "incomplete"),
+        (lambda: [message(refusal("I can't help"))], "completed", None, "", "refused"),
+        (lambda: [message(output_text("par"))], "incomplete", "content_filter", "par", "refused"),
+        (lambda: [message(output_text("x"))], "incomplete", None, "x", "incomplete"),
+        (lambda: [], "failed", None, "", "incomplete"),
+    ],
+)
+def test_openai_status_and_incomplete_details_say_whether_the_answer_is_whole(
+    stand_in: StandIn,
+    monkeypatch: pytest.MonkeyPatch,
+    output: Any,
+    status: str,
+    reason: str | None,
+    text: str,
+    stop: str,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    stand_in.reply = openai_response(output(), status, usage=(20, 30), incomplete=reason)
+    provider = make_provider("openai", None, settings(openai_base_url=stand_in.url))
+
+    reply = provider.generate("p", 30, 5, CONTEXT)
+
+    assert (reply.text, reply.stop_reason) == (text, stop)
+    assert (reply.input_tokens, reply.output_tokens) == (20, 30)
 
 
 def test_openai_error_body_quoting_the_key_never_reaches_the_message(
@@ -328,36 +516,79 @@ def compatible_settings(stand_in: StandIn, **values: Any) -> Settings:
 def test_openai_compatible_sends_chat_completions_without_a_key_when_none_is_set(
     stand_in: StandIn,
 ) -> None:
-    stand_in.reply = {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "local answer"}}],
-        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13},
-    }
+    stand_in.reply = chat_completion("local answer", "stop", usage=(9, 4))
     provider = make_provider("openai-compatible", "qwen3-32b", compatible_settings(stand_in))
 
     reply = provider.generate("local prompt", 77, 5, CONTEXT)
 
     assert (reply.text, reply.input_tokens, reply.output_tokens) == ("local answer", 9, 4)
+    assert reply.stop_reason == "complete"
     assert provider.input_usd_per_mtok == provider.output_usd_per_mtok == 0
     request = stand_in.only_request()
     assert request.path == "/v1/chat/completions"
     assert "Authorization" not in request.headers
+    # max_completion_tokens: max_tokens is deprecated, and OpenAI's reasoning models refuse it.
     assert request.json() == {
         "model": "qwen3-32b",
         "messages": [{"role": "user", "content": "local prompt"}],
-        "max_tokens": 77,
+        "max_completion_tokens": 77,
     }
+
+
+def test_openai_compatible_sends_max_tokens_to_a_server_that_knows_only_that(
+    stand_in: StandIn,
+) -> None:
+    stand_in.reply = chat_completion("ok", "stop", usage=(1, 1))
+    config = compatible_settings(stand_in, openai_compatible_max_tokens_field="max_tokens")
+    provider = make_provider("openai-compatible", "m", config)
+
+    provider.generate("p", 77, 5, CONTEXT)
+
+    body = stand_in.only_request().json()
+    assert body["max_tokens"] == 77
+    assert "max_completion_tokens" not in body
+
+
+@pytest.mark.parametrize(
+    ("content", "refused", "finish", "stop"),
+    [
+        ("all of it", None, "stop", "complete"),
+        ("(defun cut", None, "length", "max_tokens"),
+        (None, None, "length", "incomplete"),
+        ("", None, "content_filter", "refused"),
+        (None, "I can't help with that", "stop", "refused"),
+        ("calling", None, "tool_calls", "incomplete"),
+    ],
+)
+def test_openai_compatible_finish_reason_says_whether_the_answer_is_whole(
+    stand_in: StandIn, content: str | None, refused: str | None, finish: str, stop: str
+) -> None:
+    stand_in.reply = chat_completion(content, finish, usage=(3, 2), refusal=refused)
+    provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
+
+    reply = provider.generate("p", 5, 5, CONTEXT)
+
+    assert (reply.text, reply.stop_reason) == (content or "", stop)
+
+
+def test_openai_compatible_reply_without_usage_is_kept_with_its_usage_unknown(
+    stand_in: StandIn,
+) -> None:
+    stand_in.reply = chat_completion("kept", "stop", usage=None)
+    assert "usage" not in stand_in.reply
+    provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
+
+    reply = provider.generate("p", 5, 5, CONTEXT)
+
+    assert (reply.text, reply.stop_reason) == ("kept", "complete")
+    assert (reply.input_tokens, reply.output_tokens, reply.usage_reported) == (None, None, False)
 
 
 def test_openai_compatible_sends_its_optional_key_as_a_bearer_token(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OPENAI_COMPATIBLE_API_KEY", KEY)
-    stand_in.reply = {
-        "choices": [{"message": {"content": None}}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 0},
-    }
+    stand_in.reply = chat_completion(None, "stop", usage=(1, 0))
     provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
 
     reply = provider.generate("p", 5, 5, CONTEXT)
@@ -397,6 +628,179 @@ def test_openai_compatible_needs_base_url_model_and_explicit_prices(stand_in: St
         )
     assert "OUROBOROS_MODEL_INPUT_USD_PER_MTOK" in str(no_prices.value)
     assert "OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK" in str(no_prices.value)
+
+
+# --- one base-URL rule ----------------------------------------------------------------------
+
+ENDPOINTS = {
+    "anthropic": "/v1/messages",
+    "openai": "/v1/responses",
+    "openai-compatible": "/v1/chat/completions",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENDPOINTS))
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_every_provider_takes_its_base_url_with_or_without_v1(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, name: str, suffix: str
+) -> None:
+    for variable in KEY_VARIABLES:
+        monkeypatch.setenv(variable, KEY)
+    stand_in.reply = {
+        "anthropic": anthropic_message([], "end_turn", usage=(1, 1)),
+        "openai": openai_response([], "completed", usage=(1, 1)),
+        "openai-compatible": chat_completion("", "stop", usage=(1, 1)),
+    }[name]
+    field_name = name.replace("-", "_") + "_base_url"
+    config = settings(
+        **{field_name: stand_in.url + suffix},
+        model_input_usd_per_mtok=0,
+        model_output_usd_per_mtok=0,
+    )
+    provider = make_provider(name, "m", config)
+
+    provider.generate("p", 5, 5, CONTEXT)
+
+    assert stand_in.only_request().path == ENDPOINTS[name]
+
+
+def test_a_base_url_with_a_path_prefix_keeps_it(stand_in: StandIn) -> None:
+    stand_in.reply = chat_completion("", "stop", usage=(1, 1))
+    config = settings(
+        openai_compatible_base_url=f"{stand_in.url}/gateway/openai/v1",
+        model_input_usd_per_mtok=0,
+        model_output_usd_per_mtok=0,
+    )
+
+    make_provider("openai-compatible", "m", config).generate("p", 5, 5, CONTEXT)
+
+    assert stand_in.only_request().path == "/gateway/openai/v1/chat/completions"
+
+
+# --- failures worth another attempt ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "retryable"),
+    [
+        (408, True),
+        (409, True),
+        (429, True),
+        (500, True),
+        (502, True),
+        (503, True),
+        (529, True),
+        (400, False),
+        (401, False),
+        (403, False),
+        (404, False),
+        (422, False),
+    ],
+)
+def test_vendor_http_errors_say_whether_the_request_may_succeed_later(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, status: int, retryable: bool
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.status = status
+    stand_in.reply = {"type": "error", "error": {"type": "some_error", "message": "no"}}
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert (failure.value.status, failure.value.retryable) == (status, retryable)
+    assert failure.value.may_have_billed is False
+    assert failure.value.retry_after is None
+
+
+@pytest.mark.parametrize(
+    ("headers", "retry_after"),
+    [
+        ({"retry-after": "7"}, 7.0),
+        ({"retry-after": "0.5"}, 0.5),
+        ({"retry-after-ms": "250"}, 0.25),
+        ({"retry-after-ms": "250", "retry-after": "7"}, 0.25),
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, 0.0),
+        ({"retry-after": "soon"}, None),
+        ({"retry-after": "-3"}, None),
+    ],
+)
+def test_a_429_carries_the_wait_the_vendor_asked_for(
+    stand_in: StandIn,
+    monkeypatch: pytest.MonkeyPatch,
+    headers: dict[str, str],
+    retry_after: float | None,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    stand_in.status, stand_in.headers = 429, headers
+    stand_in.reply = {"error": {"type": "rate_limit_exceeded", "message": "slow down"}}
+    provider = make_provider("openai", None, settings(openai_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert failure.value.retryable
+    assert failure.value.retry_after == retry_after
+
+
+@pytest.mark.parametrize(
+    ("advice", "status", "retryable"), [("false", 429, False), ("true", 400, True)]
+)
+def test_the_vendors_should_retry_header_overrides_the_status(
+    stand_in: StandIn,
+    monkeypatch: pytest.MonkeyPatch,
+    advice: str,
+    status: int,
+    retryable: bool,
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.status, stand_in.headers = status, {"x-should-retry": advice}
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert failure.value.retryable is retryable
+
+
+def test_a_reset_connection_is_worth_another_attempt_and_may_have_billed(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.reset = True
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable, match="connection lost") as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert failure.value.retryable and failure.value.may_have_billed
+    assert KEY not in str(failure.value)
+
+
+def test_a_refused_connection_is_worth_another_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    provider = make_provider("anthropic", None, settings(anthropic_base_url="http://127.0.0.1:9"))
+
+    with pytest.raises(ProviderUnavailable) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert failure.value.retryable and not failure.value.may_have_billed
+
+
+@pytest.mark.parametrize(
+    "reply", [b"<html>gateway</html>", {"content": "x", "usage": {"input_tokens": 1}}]
+)
+def test_a_malformed_success_reply_is_not_tried_again(
+    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch, reply: object
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    stand_in.reply = reply
+    provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
+
+    with pytest.raises(ProviderUnavailable) as failure:
+        provider.generate("p", 10, 5, CONTEXT)
+
+    assert not failure.value.retryable
 
 
 # --- choosing a provider -----------------------------------------------------------------

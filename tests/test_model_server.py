@@ -6,12 +6,13 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import random
 import socket
 import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from decimal import Decimal
 from pathlib import Path
@@ -28,27 +29,38 @@ from worker.instrument.model.providers import (
     ProviderUnavailable,
     make_provider,
 )
+from worker.instrument.model.retry import RetryPolicy
 from worker.instrument.model.server import MAX_CONNECTIONS, ModelSocket, capabilities
+from worker.instrument.model.throttle import Cap, LocalThrottle, Throttle
 from worker.instrument.physics import Physics
+from worker.instrument.records import STOP_REASONS, StopReason
 
 CONTEXT = GenerationContext(lineage="demo", generation=2, organism_source="(setq organism-ok t)\n")
 PRICES = Prices(input_usd_per_mtok=Decimal(2), output_usd_per_mtok=Decimal(10))
 
 
 class DoubleProvider(Provider):
-    """A provider that records what it was asked and answers or fails as told."""
+    """A provider that records what it was asked and answers or fails as told.
+
+    ``failures`` are raised by the first calls, one each, before it answers (or raises
+    ``error``) as usual: a vendor that fails a few times, then recovers.
+    """
 
     name = "double"
 
     def __init__(
         self,
         text: str = "the answer ✓",
-        usage: tuple[int, int] = (100, 20),
+        usage: tuple[int, int] | None = (100, 20),
         error: Exception | None = None,
         delay_seconds: float = 0.0,
+        stop_reason: StopReason = "complete",
+        failures: Sequence[Exception] = (),
     ) -> None:
         super().__init__("double-model", PRICES)
         self.text, self.usage, self.error, self.delay_seconds = text, usage, error, delay_seconds
+        self.stop_reason = stop_reason
+        self.failures = list(failures)
         self.asked: list[tuple[str, int, float, GenerationContext]] = []
         self.answered = threading.Event()
 
@@ -58,10 +70,15 @@ class DoubleProvider(Provider):
         self.asked.append((prompt, max_output_tokens, timeout, context))
         time.sleep(self.delay_seconds)
         self.answered.set()
+        if self.failures:
+            raise self.failures.pop(0)
         if self.error is not None:
             raise self.error
         return ProviderReply(
-            text=self.text, input_tokens=self.usage[0], output_tokens=self.usage[1]
+            text=self.text,
+            stop_reason=self.stop_reason,
+            input_tokens=self.usage[0] if self.usage else None,
+            output_tokens=self.usage[1] if self.usage else None,
         )
 
 
@@ -107,13 +124,29 @@ def raw_request(broker: ModelSocket, head: bytes, body: bytes = b"") -> bytes:
 Serve = Callable[..., ModelSocket]
 
 
+# Retries as the socket makes them, with waits short enough for a test.
+QUICK_RETRY = RetryPolicy(first_backoff_seconds=0.01, max_backoff_seconds=0.05)
+
+
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Serve]:
     """Start a broker on tmp_path/model.sock; stopped at teardown."""
     with ExitStack() as stack:
 
-        def start(provider: Provider, physics: Physics | None = None) -> ModelSocket:
-            broker = ModelSocket(tmp_path / "model.sock", provider, physics or Physics(), CONTEXT)
+        def start(
+            provider: Provider,
+            physics: Physics | None = None,
+            throttle: Throttle | None = None,
+            retry: RetryPolicy = QUICK_RETRY,
+        ) -> ModelSocket:
+            broker = ModelSocket(
+                tmp_path / "model.sock",
+                provider,
+                physics or Physics(),
+                CONTEXT,
+                throttle=throttle,
+                retry=retry,
+            )
             return stack.enter_context(broker)
 
         yield start
@@ -129,7 +162,10 @@ def test_generate_answers_the_model_text_as_utf8_plain_text(serve: Serve) -> Non
 
     assert (status, text) == (200, "the answer ✓")
     assert response.getheader("Content-Type") == "text/plain; charset=utf-8"
-    assert provider.asked == [("prompt ✓", 321, 7, CONTEXT)]
+    [(prompt, tokens, timeout, context)] = provider.asked
+    assert (prompt, tokens, context) == ("prompt ✓", 321, CONTEXT)
+    # Each read of the attempt may wait for what is left of the call's 7 s, no longer.
+    assert 6 < timeout <= 7
 
 
 def test_absent_token_header_grants_the_physics_maximum(serve: Serve) -> None:
@@ -533,6 +569,297 @@ def test_capabilities_disclose_the_abi_and_physics_but_no_provider_model_price_o
     forbidden |= {model for table in BUILTIN_PRICES.values() for model in table}
     for word in forbidden:
         assert word not in text.lower(), word
+
+
+# --- how the model stopped ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", STOP_REASONS)
+def test_every_answer_says_how_the_model_stopped_in_a_header_and_in_the_record(
+    serve: Serve, stop: StopReason
+) -> None:
+    broker = serve(DoubleProvider(stop_reason=stop))
+
+    status, text, response = request(broker)
+
+    assert (status, text) == (200, "the answer ✓")
+    assert response.getheader("X-Ouroboros-Stop-Reason") == stop
+    assert broker.calls[0].stop_reason == stop
+
+
+def test_a_failed_call_has_no_stop_reason(serve: Serve) -> None:
+    broker = serve(DoubleProvider(error=ProviderUnavailable("double answered HTTP 400")))
+
+    status, _, response = request(broker)
+
+    assert status == 502
+    assert response.getheader("X-Ouroboros-Stop-Reason") is None
+    assert broker.calls[0].stop_reason is None
+
+
+def test_capabilities_document_the_stop_reason_header_and_each_value() -> None:
+    generate = capabilities(Physics())["operations"]["generate"]
+
+    header = generate["response_headers"]["X-Ouroboros-Stop-Reason"]
+
+    assert "X-Ouroboros-Stop-Reason" in generate["responses"]["200"]
+    assert tuple(header["values"]) == STOP_REASONS
+    assert "complete" in header["advice"]
+    assert "tried again" in generate["retries"]
+
+
+# --- retries -----------------------------------------------------------------------------
+
+
+def passing(
+    status: int | None = None, *, retry_after: float | None = None, billed: bool = False
+) -> ProviderUnavailable:
+    """A failure the vendor calls passing: an HTTP status, else a lost connection."""
+    reason = f"double answered HTTP {status}" if status else "double connection lost"
+    return ProviderUnavailable(
+        reason, may_have_billed=billed, retryable=True, retry_after=retry_after, status=status
+    )
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        passing(429, retry_after=0.05),
+        passing(429),
+        passing(408),
+        passing(409),
+        passing(500),
+        passing(503),
+        passing(529),
+        passing(),
+        passing(billed=True),
+    ],
+    ids=["429-retry-after", "429", "408", "409", "500", "503", "529", "refused", "reset"],
+)
+def test_a_passing_failure_is_tried_again_and_the_organism_gets_the_answer(
+    serve: Serve, failure: ProviderUnavailable
+) -> None:
+    provider = DoubleProvider(failures=[failure])
+    broker = serve(provider)
+
+    status, text, _ = request(broker)
+
+    assert (status, text) == (200, "the answer ✓")
+    assert len(provider.asked) == 2
+    [call] = broker.calls
+    first, second = call.attempts
+    assert (first.number, first.outcome, first.error) == (1, "failed", str(failure))
+    assert first.vendor_status == failure.status
+    assert first.backoff_seconds is not None and first.backoff_seconds > 0
+    assert first.may_have_billed == failure.may_have_billed
+    assert (second.number, second.outcome, second.backoff_seconds) == (2, "answered", None)
+    assert second.vendor_status == 200
+    assert call.error is None and call.stop_reason == "complete"
+
+
+def test_backoff_doubles_up_to_its_cap_drawn_from_the_upper_half_unless_the_vendor_asks() -> None:
+    policy = RetryPolicy(first_backoff_seconds=1, max_backoff_seconds=30)
+    rng = random.Random(7)
+
+    for attempt, ceiling in [(1, 1), (2, 2), (3, 4), (5, 16), (6, 30), (9, 30)]:
+        waits = [policy.backoff_seconds(attempt, None, rng) for _ in range(50)]
+        assert all(ceiling / 2 <= wait <= ceiling for wait in waits)
+        assert len(set(waits)) > 1
+    assert policy.backoff_seconds(3, 0.25, rng) == 0.25
+
+
+def test_the_wait_before_the_next_attempt_is_what_the_vendor_asked_for(serve: Serve) -> None:
+    broker = serve(DoubleProvider(failures=[passing(429, retry_after=0.3)]))
+
+    started = time.monotonic()
+    status, _, _ = request(broker)
+
+    assert status == 200
+    assert time.monotonic() - started >= 0.3
+    first = broker.calls[0].attempts[0]
+    assert first.retry_after_seconds == first.backoff_seconds == 0.3
+
+
+def test_a_failure_that_is_not_passing_is_not_tried_again(serve: Serve) -> None:
+    provider = DoubleProvider(error=ProviderUnavailable("double answered HTTP 401", status=401))
+    broker = serve(provider)
+
+    assert request(broker)[0] == 502
+
+    assert len(provider.asked) == 1
+    [attempt] = broker.calls[0].attempts
+    assert (attempt.vendor_status, attempt.backoff_seconds) == (401, None)
+
+
+def test_attempts_stop_at_the_policy_maximum_and_failed_ones_cost_nothing(serve: Serve) -> None:
+    provider = DoubleProvider(error=passing(529))
+    broker = serve(provider, retry=RetryPolicy(max_attempts=3, first_backoff_seconds=0.01))
+
+    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+
+    assert (status, text) == (502, "model unavailable\n")
+    assert len(provider.asked) == 3
+    [call] = broker.calls
+    assert [a.vendor_status for a in call.attempts] == [529, 529, 529]
+    assert [a.backoff_seconds is None for a in call.attempts] == [False, False, True]
+    assert call.error == "double answered HTTP 529"
+    # One reservation held across the attempts, refunded whole at the end.
+    assert call.reserved_usd == PRICES.cost_usd(1 + FRAMING_TOKENS, 30)
+    assert call.cost_usd == broker.spent_usd == 0
+    assert all(a.cost_usd == 0 for a in call.attempts)
+
+
+def test_a_vendor_asking_for_a_wait_past_the_deadline_ends_the_call_at_once(
+    serve: Serve,
+) -> None:
+    provider = DoubleProvider(error=passing(429, retry_after=30))
+    broker = serve(provider, Physics(model_timeout_seconds=10))
+
+    started = time.monotonic()
+    status, _, _ = request(broker)
+
+    assert status == 502
+    assert time.monotonic() - started < 5
+    assert len(provider.asked) == 1
+    assert broker.calls[0].attempts[0].backoff_seconds is None
+
+
+def test_retries_never_run_past_the_call_deadline(serve: Serve) -> None:
+    provider = DoubleProvider(error=passing(503), delay_seconds=0.3)
+    broker = serve(provider, Physics(model_timeout_seconds=1))
+
+    started = time.monotonic()
+    status, _, _ = request(broker)
+
+    assert status == 502
+    assert time.monotonic() - started < 2.5
+    [call] = broker.calls
+    assert 2 <= len(call.attempts) <= 4
+    assert call.attempts[-1].backoff_seconds is None
+
+
+def test_an_attempt_the_vendor_may_have_billed_keeps_its_reservation_and_the_retry_reserves_anew(
+    serve: Serve,
+) -> None:
+    provider = DoubleProvider(failures=[passing(billed=True)], usage=(100, 20))
+    broker = serve(provider, Physics(max_output_tokens=50))
+
+    status, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+
+    worst, used = PRICES.cost_usd(1 + FRAMING_TOKENS, 30), PRICES.cost_usd(100, 20)
+    assert status == 200
+    [call] = broker.calls
+    assert [a.cost_usd for a in call.attempts] == [worst, used]
+    assert call.attempts[0].may_have_billed
+    assert call.reserved_usd == 2 * worst
+    assert call.cost_usd == worst + used == broker.spent_usd
+
+
+def test_no_retry_after_a_possibly_billed_attempt_when_the_budget_cannot_cover_another(
+    serve: Serve,
+) -> None:
+    worst = PRICES.cost_usd(1 + FRAMING_TOKENS, 30)
+    provider = DoubleProvider(failures=[passing(billed=True)])
+    broker = serve(provider, Physics(budget_usd=worst * 3 / 2))
+
+    status, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+
+    assert status == 502
+    assert len(provider.asked) == 1
+    [call] = broker.calls
+    assert call.cost_usd == call.reserved_usd == worst == broker.spent_usd
+    assert "cannot cover another attempt" in (call.error or "")
+    assert call.attempts[0].backoff_seconds is None
+
+
+def test_an_answer_without_usage_is_kept_and_charged_its_whole_reservation(serve: Serve) -> None:
+    broker = serve(DoubleProvider(usage=None))
+
+    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+
+    assert (status, text) == (200, "the answer ✓")
+    [call] = broker.calls
+    assert call.usage_reported is False
+    assert (call.input_tokens, call.output_tokens) == (0, 0)
+    assert call.cost_usd == call.reserved_usd == PRICES.cost_usd(1 + FRAMING_TOKENS, 30)
+    assert broker.spent_usd == call.cost_usd
+
+
+# --- the cap on calls to a provider ---------------------------------------------------------
+
+
+def test_waiting_for_the_cap_is_recorded_on_the_attempt(serve: Serve) -> None:
+    provider = DoubleProvider(delay_seconds=0.5)
+    broker = serve(provider, throttle=LocalThrottle(Cap(concurrent_calls=1)))
+
+    callers = [threading.Thread(target=request, args=(broker,)) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+
+    assert [c.status for c in broker.calls] == [200, 200]
+    waits = sorted(c.attempts[0].cap_wait_seconds for c in broker.calls)
+    assert waits[0] < 0.3 <= waits[1]
+
+
+def test_a_call_that_finds_no_room_under_the_cap_before_its_deadline_is_502_and_free(
+    serve: Serve,
+) -> None:
+    provider = DoubleProvider()
+    broker = serve(
+        provider,
+        Physics(model_timeout_seconds=1),
+        throttle=LocalThrottle(Cap(requests_per_minute=1)),
+    )
+
+    first, _, _ = request(broker)
+    second, text, _ = request(broker)
+
+    assert (first, second, text) == (200, 502, "model unavailable\n")
+    assert len(provider.asked) == 1
+    call = broker.calls[1]
+    [attempt] = call.attempts
+    assert attempt.outcome == "no_slot"
+    assert attempt.cap_wait_seconds >= 0.5
+    assert attempt.request_seconds == 0
+    assert "no room under the fleet's cap" in (call.error or "")
+    assert call.cost_usd == 0
+
+
+def test_the_offline_stand_in_is_never_capped(serve: Serve) -> None:
+    broker = serve(
+        make_provider("scripted", None, Settings()),
+        Physics(model_timeout_seconds=1),
+        throttle=LocalThrottle(Cap(requests_per_minute=1)),
+    )
+
+    assert [request(broker)[0] for _ in range(3)] == [200, 200, 200]
+
+
+def test_a_call_waiting_for_the_cap_when_the_life_ends_is_recorded_and_refunded(
+    tmp_path: Path,
+) -> None:
+    broker = ModelSocket(
+        tmp_path / "model.sock",
+        DoubleProvider(),
+        Physics(),
+        CONTEXT,
+        throttle=LocalThrottle(Cap(requests_per_minute=1)),
+    )
+    with broker:
+        assert request(broker)[0] == 200
+        caller = threading.Thread(target=request, args=(broker,))
+        caller.start()
+        time.sleep(0.5)
+    caller.join(10)
+
+    [_, waiting] = broker.calls
+    assert waiting.status == 502
+    assert waiting.error == "the generation ended before the model answered"
+    assert waiting.cost_usd == 0
+    [attempt] = waiting.attempts
+    assert (attempt.outcome, attempt.may_have_billed) == ("abandoned", False)
 
 
 # --- the organism's side of the ABI, in Emacs Lisp ---------------------------------------

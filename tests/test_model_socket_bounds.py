@@ -257,7 +257,7 @@ class StuckProvider(Provider):
     ) -> ProviderReply:
         self.asked.append(prompt)
         self.release.wait(WAIT_SECONDS)
-        return ProviderReply(text="late", input_tokens=1, output_tokens=1)
+        return ProviderReply(text="late", stop_reason="complete", input_tokens=1, output_tokens=1)
 
 
 def test_calls_abandoned_at_their_deadline_hold_at_most_the_cap_in_threads_and_a_call_that_got_none_is_refunded(  # noqa: E501
@@ -391,7 +391,7 @@ class Echo(Provider):
     name = "echo"
 
     def generate(self, prompt, max_output_tokens, timeout, context):
-        return ProviderReply(text=prompt, input_tokens=1, output_tokens=1)
+        return ProviderReply(text=prompt, stop_reason="complete", input_tokens=1, output_tokens=1)
 
 
 prices = Prices(input_usd_per_mtok=Decimal(1), output_usd_per_mtok=Decimal(1))

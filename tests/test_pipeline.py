@@ -139,6 +139,28 @@ def test_scripted_generation_changes_and_next_generation_sees_new_body(fleet: Fl
     assert "## gen 2 — changed — organism +" in journal
 
 
+def test_canonical_seed_never_takes_an_answer_cut_at_the_token_limit_as_its_body(
+    fleet: Fleet,
+) -> None:
+    # The scripted stand-in answers with the seed's own source, over 4 KiB: 100 tokens
+    # (400 bytes) cut it mid-form. Taken as the body, it would kill the next life with
+    # end-of-file; the socket says max_tokens, so the seed keeps the body it has.
+    fleet.ok("init", "alpha", *SMALL_PHYSICS, "--max-output-tokens", "100")
+    seed = fleet.show("alpha", "organism.el")
+
+    run_one(fleet, "alpha")
+    run_one(fleet, "alpha")
+
+    assert fleet.subjects("alpha") == ["gen 2: no-change", "gen 1: no-change", "seed"]
+    assert fleet.show("alpha", "organism.el") == seed
+    for generation in (1, 2):
+        observation = fleet.observation("alpha", generation)
+        [call] = observation["model_calls"]
+        assert (call["status"], call["stop_reason"]) == (200, "max_tokens")
+        assert len(call["response"].encode()) <= 400
+        assert "the model stopped (max_tokens); this body lives on" in observation["stderr"]
+
+
 def test_no_change_has_no_zero_zero_diffstat(fleet: Fleet) -> None:
     make_lineage(fleet, "quiet", '(message "alive")\n')
     run_one(fleet, "quiet")

@@ -187,12 +187,24 @@ def _print_generation(view: GenerationView) -> None:
         console.print(_plain(view.journal.text))
     if o is not None and o.model_calls:
         calls = Table(title="model calls")
-        for column in ("#", "status", "in tok", "out tok", "cost USD", "seconds", "prompt bytes"):
+        for column in (
+            "#",
+            "status",
+            "stopped",
+            "tries",
+            "in tok",
+            "out tok",
+            "cost USD",
+            "seconds",
+            "prompt bytes",
+        ):
             calls.add_column(column, justify="right")
         for call in o.model_calls:
             calls.add_row(
                 str(call.index),
                 str(call.status),
+                call.stop_reason or "",
+                str(len(call.attempts)),
                 str(call.input_tokens),
                 str(call.output_tokens),
                 f"{call.cost_usd:.6f}",

@@ -2,7 +2,9 @@
 
 Owns building the observation store, the local lineage cache and the generation
 pipeline from a ``Settings`` (used by the CLI, the Celery worker and the tests), so
-every entry point wires the same parts the same way.
+every entry point wires the same parts the same way. The pipeline's cap on model
+calls is the fleet's, shared through Redis, when the caller says the fleet is there
+(the Celery worker); else the same cap, kept in this process (``run --local``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from worker.instrument.spool import Spool
 from worker.instrument.store import ObservationStore, open_store
 
 if TYPE_CHECKING:
+    from worker.instrument.model.throttle import Throttle
     from worker.instrument.pipeline import Pipeline
 
 
@@ -30,8 +33,26 @@ def observation_store(settings: Settings) -> ObservationStore:
     return open_store(settings.observations_url, settings)
 
 
-def build_pipeline(settings: Settings, ceiling: str | None = None) -> Pipeline:
-    """A ready pipeline; the ceiling preflight runs here, before any generation."""
+def model_throttle(settings: Settings, *, shared: bool) -> Throttle:
+    """The cap on model calls: the fleet's in Redis when shared, else this process's own."""
+    from worker.fleet.model_throttle import RedisThrottle, model_cap
+    from worker.instrument.model.throttle import LocalThrottle
+
+    if shared:
+        from worker.fleet.leases import redis_client
+
+        return RedisThrottle(redis_client(settings), model_cap(settings))
+    return LocalThrottle(model_cap(settings))
+
+
+def build_pipeline(
+    settings: Settings, ceiling: str | None = None, *, shared_cap: bool = False
+) -> Pipeline:
+    """A ready pipeline; the ceiling preflight runs here, before any generation.
+
+    shared_cap: the model cap is the fleet's, in the broker's Redis (a worker of the
+    fleet), rather than this process's own (``run --local``, which needs no broker).
+    """
     # Imported here: readers build stores and caches from this module without loading
     # the sandbox, ceilings or model socket.
     from worker.instrument.ceilings import select_ceiling
@@ -46,4 +67,5 @@ def build_pipeline(settings: Settings, ceiling: str | None = None) -> Pipeline:
         store=observation_store(settings),
         cache=lineage_cache(settings),
         spool=Spool(settings.state_path / "spool"),
+        throttle=model_throttle(settings, shared=shared_cap),
     )

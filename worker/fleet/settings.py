@@ -2,12 +2,13 @@
 
 Owns every setting a worker, the scheduler or the web UI reads beyond those of the
 instrument (``worker.instrument.settings``): where the fleet's services are (broker,
-shared repository, observation store), local paths, concurrency, and the delivery
-and recovery timings. None of these decide or record a generation, so this module
-is not fingerprinted: a queueing fix never forces a lineage to start over. With
-nothing configured, everything lives under ``OUROBOROS_HOME`` (default
-``./.ouroboros/``): a bare repository ``lineages.git``, a ``file://`` observation
-store and a private Redis socket.
+shared repository, observation store), local paths, concurrency, the delivery and
+recovery timings, and the fleet-wide cap on calls to each model provider. None of
+these decide or record a generation (the cap decides when a call is sent, within
+the call's own deadline, never what it may do), so this module is not fingerprinted:
+a queueing fix never forces a lineage to start over. With nothing configured,
+everything lives under ``OUROBOROS_HOME`` (default ``./.ouroboros/``): a bare
+repository ``lineages.git``, a ``file://`` observation store and a private Redis socket.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Settings(InstrumentSettings):
     spool_retry_seconds: float = Field(30.0, ge=0.2)
     web_host: str = "127.0.0.1"
     web_port: int = Field(8765, ge=1, le=65535)
+    # The fleet-wide cap on calls to each model provider, shared by every worker through
+    # the broker's Redis (worker.fleet.model_throttle); 0 switches a limit off. The
+    # defaults keep a fleet within the smallest paid tiers' limits: raise them to yours.
+    model_max_concurrent_calls: int = Field(16, ge=0, le=100_000)
+    model_requests_per_minute: int = Field(50, ge=0, le=10_000_000)
+    model_tokens_per_minute: int = Field(0, ge=0, le=10**10)
 
     @field_validator("observations")
     @classmethod

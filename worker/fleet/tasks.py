@@ -46,7 +46,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
 
     @cache
     def pipeline() -> Pipeline:
-        return build_pipeline(settings)
+        return build_pipeline(settings, shared_cap=True)
 
     @cache
     def planner() -> Planner:

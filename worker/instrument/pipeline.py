@@ -39,7 +39,9 @@ from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.keys import generation_key, index_key
 from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
 from worker.instrument.model.providers import GenerationContext, Provider, make_provider
+from worker.instrument.model.retry import RetryPolicy
 from worker.instrument.model.server import ModelSocket, capabilities
+from worker.instrument.model.throttle import LocalThrottle, Throttle
 from worker.instrument.names import JOURNAL_PATH, KERNEL_OWNED, ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import (
@@ -120,7 +122,10 @@ class Pipeline:
         store: ObservationStore,
         cache: LineageCache,
         spool: Spool,
+        throttle: Throttle | None = None,
     ) -> None:
+        """throttle is the cap on calls to each provider that every life's model socket
+        waits for: the fleet's shared one, or by default none."""
         self.settings = settings
         self.instrument = instrument
         self.instrument_commit = instrument_commit
@@ -128,6 +133,8 @@ class Pipeline:
         self.store = store
         self.cache = cache
         self.spool = spool
+        self.throttle: Throttle = throttle or LocalThrottle()
+        self.retry = RetryPolicy(stall_seconds=settings.model_stall_seconds)
         self.emacs = resolve_emacs()
         self.identities = IdentityPool(settings.sandbox_uid_base, settings.sandbox_uid_count)
         self.identities.probe()
@@ -209,7 +216,13 @@ class Pipeline:
         ):
             owner = (identity.uid, identity.gid) if identity.drop else None
             with ModelSocket(
-                kernel / "model.sock", plan.provider, plan.physics, context, owner=owner
+                kernel / "model.sock",
+                plan.provider,
+                plan.physics,
+                context,
+                owner=owner,
+                throttle=self.throttle,
+                retry=self.retry,
             ) as model:
                 result = run_sandbox(
                     kernel, plan.physics, self.ceiling, label, self.emacs, identity

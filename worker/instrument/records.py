@@ -29,8 +29,48 @@ Outcome = Literal[
 DEATHS: frozenset[str] = frozenset(
     {"process_exit", "signal", "wall_timeout", "cgroup_oom", "decoder_rejection"}
 )
+# How a model's answer ended, as the socket tells the organism (X-Ouroboros-Stop-Reason):
+# complete, cut at the output token limit, refused by the model, or stopped short for
+# any other reason (a reasoning model that spent every token before answering included).
+StopReason = Literal["complete", "max_tokens", "refused", "incomplete"]
+STOP_REASONS: tuple[StopReason, ...] = ("complete", "max_tokens", "refused", "incomplete")
+# What became of one attempt at the vendor: answered (200); failed (the vendor's error,
+# or the connection's); no_slot (never sent: no room under the fleet's cap, or no free
+# model thread, before the call's deadline); abandoned (sent, and the deadline or the
+# end of the life came first).
+AttemptOutcome = Literal["answered", "failed", "no_slot", "abandoned"]
 STDERR_CAP_BYTES = 1024 * 1024
 STDERR_CUT_MARK = "\n[... stderr cut at 1 MiB by the kernel ...]\n"
+
+
+class ModelAttempt(BaseModel):
+    """One try at the vendor within a model call: the fleet's cap, the request, its fate.
+
+    A call is tried again after a failure the vendor calls passing (rate limits,
+    overload, server errors, lost connections, stalls), within the call's deadline.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    number: int = Field(ge=1)
+    started_at: datetime
+    # Time spent waiting for the fleet-wide cap of the provider before the request.
+    cap_wait_seconds: float = Field(ge=0)
+    # Time from sending the request to its end; 0 when no request was sent.
+    request_seconds: float = Field(ge=0)
+    outcome: AttemptOutcome
+    # The vendor's HTTP status, when it answered with one.
+    vendor_status: int | None = None
+    error: str | None = None
+    # What the vendor asked for (retry-after-ms or retry-after), in seconds.
+    retry_after_seconds: float | None = None
+    # The wait before the next attempt; None when this attempt was the last.
+    backoff_seconds: float | None = None
+    # The vendor may have served, and billed, a request whose answer was lost.
+    may_have_billed: bool = False
+    cost_usd: Decimal = Decimal(0)
+    # A note on the cap, e.g. that the shared cap could not be reached and was skipped.
+    cap_note: str | None = None
 
 
 class ModelCall(BaseModel):
@@ -56,6 +96,12 @@ class ModelCall(BaseModel):
     reserved_usd: Decimal
     cost_usd: Decimal
     error: str | None = None
+    # How the answer ended (200 only); the organism got it as X-Ouroboros-Stop-Reason.
+    stop_reason: StopReason | None = None
+    # False when the vendor's reply carried no usage: the call was then charged its
+    # whole reservation (input_tokens and output_tokens are 0, not measured).
+    usage_reported: bool = True
+    attempts: list[ModelAttempt] = []
 
 
 class Provenance(BaseModel):

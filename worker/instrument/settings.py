@@ -1,8 +1,10 @@
 """The settings that decide or record a generation: fingerprinted with the instrument.
 
 Owns the OUROBOROS_* settings a generation's outcome or its record depends on: the
-model provider, its prices and where it answers, the key directory, the ceiling
-driver, the sandbox uid range, and the instrument commit. Sources, strongest first:
+model provider, its prices, where it answers and how it is asked (the output-limit
+field of Chat Completions, how long an attempt may stall before it is tried again),
+the key directory, the ceiling driver, the sandbox uid range, and the instrument
+commit. Sources, strongest first:
 environment, the TOML file named by ``OUROBOROS_CONFIG`` (if any), defaults.
 Provider keys are never fields: the model socket reads them at the moment of use
 (environment, ``*_FILE`` or ``$CREDENTIALS_DIRECTORY``), so a settings dump can never
@@ -42,6 +44,14 @@ class InstrumentSettings(BaseSettings):
     openai_compatible_base_url: str | None = None
     anthropic_base_url: str = "https://api.anthropic.com"
     openai_base_url: str = "https://api.openai.com"
+    # OpenAI's reasoning models take only max_completion_tokens; some older local
+    # servers know only max_tokens (worker.instrument.model.providers).
+    openai_compatible_max_tokens_field: Literal["max_completion_tokens", "max_tokens"] = (
+        "max_completion_tokens"
+    )
+    # An attempt that receives no byte for this long is abandoned and tried again
+    # within the call's deadline (worker.instrument.model.retry).
+    model_stall_seconds: float = Field(300.0, gt=0, le=24 * 3600)
     scripted_latency_seconds: float = Field(0.0, ge=0, le=600)
     key_dir: Path | None = None
     ceiling: CeilingName = "auto"

@@ -2,6 +2,8 @@
 
 Owns, per generation, the socket server and its provider-neutral ABI (``server``),
 the capability manifest (``server.capabilities``), the spending ledger (``ledger``),
+the retry policy (``retry``), the cap on calls to a provider as an interface with an
+in-process form (``throttle``; the fleet's shared form lives in ``worker.fleet``),
 the provider translations (``providers``) and their catalogue (``catalogue``), prices
 (``prices``) and keys (``credentials``). The sandbox sees the socket and the
 manifest; everything else stays on the trusted side. Importing this package loads

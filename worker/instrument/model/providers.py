@@ -3,10 +3,18 @@
 Owns the request and response translation for ``anthropic`` (Messages API),
 ``openai`` (Responses API), ``openai-compatible`` (Chat Completions at a configured
 base URL: vLLM, llama.cpp, Ollama) and ``scripted`` (an offline, deterministic
-stand-in), and the choice among them with its refusals. Every provider reduces a
-vendor reply to text plus the usage the vendor reported; any failure becomes
-ProviderUnavailable, whose message names the provider and the kind of failure but
-never a key or the vendor's error prose (which can quote key fragments).
+stand-in), the one base-URL rule they share, and the choice among them with its
+refusals. One ``generate`` is one HTTP request: retrying is the model socket's job.
+Every provider reduces a vendor reply to text, how the model stopped (complete, cut
+at the token limit, refused, or incomplete) and the usage the vendor reported, if
+any. Any failure becomes ProviderUnavailable, which says whether the vendor may
+have billed the request and whether the same request may succeed later, and whose
+message names the provider and the kind of failure but never a key or the vendor's
+error prose (which can quote key fragments).
+
+The base URL of every provider is the address its API's ``/v1/...`` paths hang
+from, given with or without that ``/v1``: ``https://api.anthropic.com`` and
+``https://api.anthropic.com/v1`` both lead to ``https://api.anthropic.com/v1/messages``.
 
 Trusts: the settings and base URLs it is given, and the usage figures a vendor
 reports (the ledger caps any charge at the reservation). Does not trust the shape
@@ -27,12 +35,14 @@ from abc import ABC, abstractmethod
 from decimal import Decimal
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from worker.instrument.errors import Refusal
 from worker.instrument.model.catalogue import DEFAULT_MODELS, MODEL_SETTING, require_known
 from worker.instrument.model.credentials import Credential
 from worker.instrument.model.prices import Prices, resolve_prices
+from worker.instrument.model.retry import retry_after_seconds, should_retry
+from worker.instrument.records import StopReason
 from worker.instrument.settings import InstrumentSettings
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -55,13 +65,28 @@ class GenerationContext(BaseModel):
 
 
 class ProviderReply(BaseModel):
-    """The text of one model answer and the usage the vendor reported for it."""
+    """The text of one model answer, how the model stopped, and the usage it reported.
+
+    Usage is None (both figures) when the vendor's reply carried none, which Chat
+    Completions allows: the socket then charges the call's whole reservation.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     text: str
-    input_tokens: int
-    output_tokens: int
+    stop_reason: StopReason
+    input_tokens: int | None = Field(ge=0)
+    output_tokens: int | None = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _usage_whole_or_absent(self) -> ProviderReply:
+        if (self.input_tokens is None) != (self.output_tokens is None):
+            raise ValueError("usage is reported whole (input and output) or not at all")
+        return self
+
+    @property
+    def usage_reported(self) -> bool:
+        return self.input_tokens is not None
 
 
 class ProviderUnavailable(Exception):
@@ -71,17 +96,35 @@ class ProviderUnavailable(Exception):
     although we got no usable reply: true once the whole request was sent and the
     answer was lost, timed out or malformed; false when the request never arrived
     or the vendor answered with an HTTP error, for which it does not bill.
+
+    retryable says whether the same request may succeed later (a rate limit, an
+    overload, a server error, a lost connection, a stall); retry_after is the wait in
+    seconds the vendor asked for, if any; status is the vendor's HTTP status, if any.
     """
 
-    def __init__(self, reason: str, *, may_have_billed: bool = False) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        may_have_billed: bool = False,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        status: int | None = None,
+    ) -> None:
         super().__init__(reason)
         self.may_have_billed = may_have_billed
+        self.retryable = retryable
+        self.retry_after = retry_after
+        self.status = status
 
 
 class Provider(ABC):
     """One configured model behind the provider-neutral generate call."""
 
     name: ClassVar[str]
+    # Whether calls count against the fleet-wide cap of the provider: a vendor's rate
+    # limits are shared by every worker; an offline stand-in has none.
+    capped: ClassVar[bool] = True
 
     def __init__(self, model: str, prices: Prices) -> None:
         self.model = model
@@ -95,7 +138,10 @@ class Provider(ABC):
     def generate(
         self, prompt: str, max_output_tokens: int, timeout: float, context: GenerationContext
     ) -> ProviderReply:
-        """Answer within max_output_tokens, or raise ProviderUnavailable."""
+        """One request: answer within max_output_tokens, or raise ProviderUnavailable.
+
+        timeout bounds connecting and each wait for the vendor's next byte.
+        """
 
 
 class _HTTPProvider(Provider):
@@ -108,6 +154,11 @@ class _HTTPProvider(Provider):
     def __init__(self, model: str, prices: Prices, base_url: str) -> None:
         super().__init__(model, prices)
         self.base_url = base_url
+
+    def endpoint(self, path: str) -> str:
+        """The URL of ``/v1{path}``: the base is taken with or without its ``/v1``."""
+        base = self.base_url.rstrip("/")
+        return f"{base.removesuffix('/v1')}/v1{path}"
 
     @classmethod
     def read_key(cls) -> str | None:
@@ -133,15 +184,28 @@ class _Usage(BaseModel):
 
 
 class _Part(BaseModel):
-    """A typed piece of a vendor reply; only text parts matter here."""
+    """A typed piece of a vendor reply; text parts are the answer, refusals say why not."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class _AnthropicReply(BaseModel):
     content: list[_Part]
-    usage: _Usage
+    stop_reason: str | None = None
+    usage: _Usage | None = None
+
+
+# Anthropic's stop_reason values. tool_use and pause_turn cannot end a finished text
+# answer (no tools are offered); model_context_window_exceeded cuts it like max_tokens
+# but is not the limit the organism asked for. Anything unknown is incomplete too.
+_ANTHROPIC_STOPS: dict[str, StopReason] = {
+    "end_turn": "complete",
+    "stop_sequence": "complete",
+    "max_tokens": "max_tokens",
+    "refusal": "refused",
+}
 
 
 class AnthropicProvider(_HTTPProvider):
@@ -159,7 +223,7 @@ class AnthropicProvider(_HTTPProvider):
     ) -> ProviderReply:
         payload = _post_json(
             self.name,
-            f"{self.base_url}/v1/messages",
+            self.endpoint("/messages"),
             {**self._headers_for_call(), "anthropic-version": ANTHROPIC_VERSION},
             {
                 "model": self.model,
@@ -169,12 +233,10 @@ class AnthropicProvider(_HTTPProvider):
             timeout,
         )
         reply = _parse(self.name, _AnthropicReply, payload)
+        # Thinking blocks are the model's working, not its answer.
         text = "".join(b.text for b in reply.content if b.type == "text" and b.text is not None)
-        return ProviderReply(
-            text=text,
-            input_tokens=reply.usage.input_tokens,
-            output_tokens=reply.usage.output_tokens,
-        )
+        stop = _ANTHROPIC_STOPS.get(reply.stop_reason or "", "incomplete")
+        return _reply(text, stop, reply.usage)
 
 
 class _OpenAIItem(BaseModel):
@@ -182,13 +244,26 @@ class _OpenAIItem(BaseModel):
     content: list[_Part] | None = None
 
 
+class _IncompleteDetails(BaseModel):
+    reason: str | None = None
+
+
 class _OpenAIReply(BaseModel):
+    status: str | None = None
+    incomplete_details: _IncompleteDetails | None = None
     output: list[_OpenAIItem]
-    usage: _Usage
+    usage: _Usage | None = None
+
+
+# incomplete_details.reason of a Responses reply whose status is "incomplete".
+_OPENAI_INCOMPLETE: dict[str, StopReason] = {
+    "max_output_tokens": "max_tokens",
+    "content_filter": "refused",
+}
 
 
 class OpenAIProvider(_HTTPProvider):
-    """OpenAI Responses API: POST {base}/v1/responses."""
+    """OpenAI Responses API: POST {base}/v1/responses, never stored by the vendor."""
 
     name = "openai"
     credential = Credential("OPENAI_API_KEY")
@@ -199,31 +274,41 @@ class OpenAIProvider(_HTTPProvider):
     ) -> ProviderReply:
         payload = _post_json(
             self.name,
-            f"{self.base_url}/v1/responses",
+            self.endpoint("/responses"),
             self._headers_for_call(),
-            {"model": self.model, "input": prompt, "max_output_tokens": max_output_tokens},
+            {
+                "model": self.model,
+                "input": prompt,
+                "max_output_tokens": max_output_tokens,
+                # The default keeps prompt and answer at the vendor for 30 days; the
+                # observation is the record, and nothing refers to a stored response.
+                "store": False,
+            },
             timeout,
         )
         reply = _parse(self.name, _OpenAIReply, payload)
-        text = "".join(
-            part.text
-            for item in reply.output
-            for part in item.content or ()
-            if part.type == "output_text" and part.text is not None
-        )
-        return ProviderReply(
-            text=text,
-            input_tokens=reply.usage.input_tokens,
-            output_tokens=reply.usage.output_tokens,
-        )
+        parts = [part for item in reply.output for part in item.content or ()]
+        text = "".join(p.text for p in parts if p.type == "output_text" and p.text is not None)
+        stop: StopReason
+        if reply.status == "completed":
+            refused = any(p.type == "refusal" for p in parts)
+            stop = "refused" if refused and not text else "complete"
+        elif reply.status == "incomplete":
+            reason = reply.incomplete_details.reason if reply.incomplete_details else None
+            stop = _OPENAI_INCOMPLETE.get(reason or "", "incomplete")
+        else:
+            stop = "incomplete"
+        return _reply(text, stop, reply.usage)
 
 
 class _ChatMessage(BaseModel):
     content: str | None = None
+    refusal: str | None = None
 
 
 class _ChatChoice(BaseModel):
     message: _ChatMessage
+    finish_reason: str | None = None
 
 
 class _ChatUsage(BaseModel):
@@ -233,38 +318,80 @@ class _ChatUsage(BaseModel):
 
 class _ChatReply(BaseModel):
     choices: list[_ChatChoice]
-    usage: _ChatUsage
+    usage: _ChatUsage | None = None
+
+
+# finish_reason of a Chat Completions choice; tool and function calls, a missing reason
+# and anything unknown are incomplete.
+_CHAT_STOPS: dict[str, StopReason] = {
+    "stop": "complete",
+    "length": "max_tokens",
+    "content_filter": "refused",
+}
 
 
 class OpenAICompatibleProvider(_HTTPProvider):
-    """Chat Completions at a configured base URL such as http://host:8000/v1."""
+    """Chat Completions at a configured base URL such as http://host:8000/v1.
+
+    The output limit goes in ``max_completion_tokens`` (OpenAI's current field, the
+    only one its reasoning models take) or, for a server that knows only the older
+    one, ``max_tokens``: the setting OUROBOROS_OPENAI_COMPATIBLE_MAX_TOKENS_FIELD.
+    """
 
     name = "openai-compatible"
     credential = Credential("OPENAI_COMPATIBLE_API_KEY")
     key_required = False  # local servers usually take none
     base_url_field = "openai_compatible_base_url"
 
+    def __init__(self, model: str, prices: Prices, base_url: str, max_tokens_field: str) -> None:
+        super().__init__(model, prices, base_url)
+        self.max_tokens_field = max_tokens_field
+
     def generate(
         self, prompt: str, max_output_tokens: int, timeout: float, context: GenerationContext
     ) -> ProviderReply:
         payload = _post_json(
             self.name,
-            f"{self.base_url}/chat/completions",
+            self.endpoint("/chat/completions"),
             self._headers_for_call(),
             {
                 "model": self.model,
                 "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": max_output_tokens,
+                self.max_tokens_field: max_output_tokens,
             },
             timeout,
         )
         reply = _parse(self.name, _ChatReply, payload)
-        text = (reply.choices[0].message.content or "") if reply.choices else ""
-        return ProviderReply(
-            text=text,
-            input_tokens=reply.usage.prompt_tokens,
-            output_tokens=reply.usage.completion_tokens,
-        )
+        if not reply.choices:
+            return _reply("", "incomplete", _chat_usage(reply.usage))
+        choice = reply.choices[0]
+        text = choice.message.content or ""
+        stop = _CHAT_STOPS.get(choice.finish_reason or "", "incomplete")
+        if choice.message.refusal and not text:
+            stop = "refused"
+        return _reply(text, stop, _chat_usage(reply.usage))
+
+
+def _chat_usage(usage: _ChatUsage | None) -> _Usage | None:
+    if usage is None:
+        return None
+    return _Usage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
+
+
+def _reply(text: str, stop: StopReason, usage: _Usage | None) -> ProviderReply:
+    """A vendor's answer, neutral; a reply cut at the limit before any text is incomplete.
+
+    A reasoning model can spend every granted token before it writes a word: that
+    empty answer is no cut-off text but no answer at all.
+    """
+    if stop == "max_tokens" and not text:
+        stop = "incomplete"
+    return ProviderReply(
+        text=text,
+        stop_reason=stop,
+        input_tokens=usage.input_tokens if usage else None,
+        output_tokens=usage.output_tokens if usage else None,
+    )
 
 
 SCRIPTED_MARK = ";; scripted stand-in edit: generation"
@@ -291,10 +418,11 @@ class ScriptedProvider(Provider):
 
     Ignores the prompt and answers with scripted_body(context) after the configured
     latency. Tokens are estimated as bytes / 4, rounded up, and the answer is cut
-    at max_output_tokens like a real model's would be.
+    at max_output_tokens like a real model's would be, and then says so (max_tokens).
     """
 
     name = "scripted"
+    capped = False
 
     def __init__(self, model: str, prices: Prices, latency_seconds: float) -> None:
         super().__init__(model, prices)
@@ -308,9 +436,11 @@ class ScriptedProvider(Provider):
             raise ProviderUnavailable(f"scripted: no answer within {timeout:g} s")
         time.sleep(self.latency_seconds)
         limit = max_output_tokens * SCRIPTED_BYTES_PER_TOKEN
-        answer = scripted_body(context).encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+        whole = scripted_body(context).encode("utf-8")
+        answer = whole[:limit].decode("utf-8", errors="ignore")
         return ProviderReply(
             text=answer,
+            stop_reason="complete" if len(whole) <= limit else "max_tokens",
             input_tokens=_estimate_tokens(prompt),
             output_tokens=_estimate_tokens(answer),
         )
@@ -343,7 +473,12 @@ def make_provider(name: str, model: str | None, settings: InstrumentSettings) ->
     if not model:
         raise Refusal(f"the {name} provider needs a model name: set {MODEL_SETTING} or --model")
     prices = resolve_prices(name, model, settings)
-    return provider(model, prices, _base_url(settings, provider.base_url_field))
+    base_url = _base_url(settings, provider.base_url_field)
+    if provider is OpenAICompatibleProvider:
+        return OpenAICompatibleProvider(
+            model, prices, base_url, settings.openai_compatible_max_tokens_field
+        )
+    return provider(model, prices, base_url)
 
 
 def _base_url(settings: InstrumentSettings, field: str) -> str:
@@ -386,16 +521,29 @@ def _post_json(
         with _OPENER.open(request, timeout=timeout) as response:
             raw = response.read(MAX_REPLY_BYTES + 1)
     except urllib.error.HTTPError as exc:
+        headers = {name.lower(): value for name, value in (exc.headers or {}).items()}
         raise ProviderUnavailable(
-            f"{provider} answered HTTP {exc.code}{_error_kind(exc)}"
+            f"{provider} answered HTTP {exc.code}{_error_kind(exc)}",
+            retryable=should_retry(exc.code, headers),
+            retry_after=retry_after_seconds(headers),
+            status=exc.code,
         ) from None
     except urllib.error.URLError as exc:
         # urllib raises URLError only while connecting and sending: nothing was served.
-        raise ProviderUnavailable(f"{provider} unreachable: {_describe(exc.reason)}") from None
+        raise ProviderUnavailable(
+            f"{provider} unreachable: {_describe(exc.reason)}", retryable=True
+        ) from None
+    except TimeoutError:
+        raise ProviderUnavailable(
+            f"{provider} stalled: nothing for {timeout:g} s after the request was sent",
+            may_have_billed=True,
+            retryable=True,
+        ) from None
     except (OSError, http.client.HTTPException) as exc:
         raise ProviderUnavailable(
             f"{provider} connection lost after the request was sent: {_describe(exc)}",
             may_have_billed=True,
+            retryable=True,
         ) from None
     if len(raw) > MAX_REPLY_BYTES:
         raise ProviderUnavailable(

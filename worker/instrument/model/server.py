@@ -1,13 +1,24 @@
 """The model syscall: an HTTP server on the generation's Unix socket, and its manifest.
 
 Owns the provider-neutral ABI (``POST /generate``, raw UTF-8 prompt in, raw UTF-8
-text out; 400 invalid request, 402 budget exhausted, 502 model unavailable), the
-capability manifest that discloses it with the effective constraints and limits, and
-the audit record of every call. One ModelSocket serves one generation: it binds the
-socket, serves it from one asyncio event loop in one thread (HTTP/1.1 framing by h11,
-which does no I/O), runs provider calls on at most MAX_CONNECTIONS daemon threads,
-reserves and settles each call in the generation's ledger, and at the end closes
-every connection and removes the socket.
+text out with ``X-Ouroboros-Stop-Reason`` saying how the model stopped; 400 invalid
+request, 402 budget exhausted, 502 model unavailable), the capability manifest that
+discloses it with the effective constraints and limits, the retrying of a call, and
+the audit record of every call and every attempt in it. One ModelSocket serves one
+generation: it binds the socket, serves it from one asyncio event loop in one thread
+(HTTP/1.1 framing by h11, which does no I/O), runs attempts at the provider on at
+most MAX_CONNECTIONS daemon threads (each first waits for room under the provider's
+cap, from the Throttle it is given), reserves and settles each call in the
+generation's ledger, and at the end closes every connection and removes the socket.
+
+A call is tried again, as ``retry.RetryPolicy`` allows, after a failure the vendor
+calls passing, until the call's deadline: model_timeout_seconds from its arrival or
+the end of the life's wall time, whichever comes first. Waiting for the cap and
+between attempts counts against that deadline. An attempt that failed is charged
+nothing, unless the vendor may have served it (its answer was lost after the whole
+request was sent): then it keeps its reservation, as any lost answer does, and the
+next attempt must first reserve its own worst case within the budget. So no charge
+ever exceeds the reservation it settles, and the budget stays a hard ceiling.
 
 The client is the organism, which may be hostile, so what one generation's socket can
 hold is bounded, whatever the client does:
@@ -35,15 +46,17 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import queue
+import random
 import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from http import HTTPStatus
@@ -61,8 +74,16 @@ from worker.instrument.model.providers import (
     ProviderReply,
     ProviderUnavailable,
 )
+from worker.instrument.model.retry import RetryPolicy
+from worker.instrument.model.throttle import (
+    Admission,
+    LocalThrottle,
+    NoRoom,
+    Throttle,
+    no_room,
+)
 from worker.instrument.physics import Physics
-from worker.instrument.records import ModelCall
+from worker.instrument.records import AttemptOutcome, ModelAttempt, ModelCall
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +92,7 @@ SANDBOX_SOCKET = "/kernel/model.sock"
 SANDBOX_JOURNAL = "/kernel/journal.md"
 GENERATE_PATH = "/generate"
 MAX_TOKENS_HEADER = "X-Ouroboros-Max-Output-Tokens"
+STOP_REASON_HEADER = "X-Ouroboros-Stop-Reason"
 _DECIMAL_INTEGER = re.compile(rb"[0-9]{1,12}")
 DISCARD_CAP_BYTES = 16 * 1024 * 1024
 
@@ -95,6 +117,9 @@ ABANDONED = "the generation ended before the model answered"
 BUSY = f"busy: at most {MAX_CONNECTIONS} connections at once; try again when one has ended"
 HEAD_TOO_LONG = f"the request line and headers are over {MAX_HEAD_BYTES} bytes"
 CALL_LIMIT = f"call limit: at most {MAX_CALLS} calls per generation; nothing was sent"
+NO_RETRY_BUDGET = "not tried again: what is left of the budget cannot cover another attempt"
+# What the cap counts a prompt as: vendors' own limiters estimate 4 bytes to the token.
+CAP_BYTES_PER_TOKEN = 4
 
 
 def capabilities(physics: Physics) -> dict[str, Any]:
@@ -122,12 +147,43 @@ def capabilities(physics: Physics) -> dict[str, Any]:
                     },
                 },
                 "responses": {
-                    "200": "the model's answer as raw UTF-8 (text/plain; charset=utf-8)",
+                    "200": (
+                        "the model's answer as raw UTF-8 (text/plain; charset=utf-8), "
+                        f"with the header {STOP_REASON_HEADER}"
+                    ),
                     "400": "invalid request; the body says what is wrong",
                     "402": "budget exhausted; nothing was sent to the model",
                     "429": "call limit of the generation reached; nothing was sent",
-                    "502": "model unavailable, or no answer within model_timeout_seconds",
+                    "502": (
+                        "model unavailable: every attempt failed, or no answer within "
+                        "model_timeout_seconds"
+                    ),
                 },
+                "response_headers": {
+                    STOP_REASON_HEADER: {
+                        "on": "every 200",
+                        "values": {
+                            "complete": "the model finished its answer",
+                            "max_tokens": (
+                                "the answer was cut at the granted output tokens; the body "
+                                "is the text up to the cut"
+                            ),
+                            "refused": "the model declined to answer; the body may be empty",
+                            "incomplete": (
+                                "the model stopped short for another reason, or spent every "
+                                "granted token before writing any answer (reasoning)"
+                            ),
+                        },
+                        "advice": "only a complete answer is whole",
+                    },
+                },
+                "retries": (
+                    "a call the model could not answer for a passing reason (rate limit, "
+                    "overload, server error, lost connection, stall) is tried again after "
+                    "a backoff, as long as model_timeout_seconds and the life's wall time "
+                    "allow; the fleet also caps the calls made to the model at once and per "
+                    "minute, and waiting for that cap counts against the same time"
+                ),
                 "limits": {
                     "connections": {
                         "max": MAX_CONNECTIONS,
@@ -161,9 +217,11 @@ def capabilities(physics: Physics) -> dict[str, Any]:
                 "spending": (
                     "each call first reserves its worst case from budget_usd: every prompt "
                     "byte plus 4096 tokens as input and every granted output token as "
-                    "output. An answered call is then charged its reported usage, a call "
-                    "the model refused nothing, and a call whose answer was lost after "
-                    "the model received it its whole reservation"
+                    "output. An answered call is then charged its reported usage (its "
+                    "whole reservation when the model reports none), a failed attempt "
+                    "nothing, and an attempt whose answer was lost after the model "
+                    "received it its whole reservation; a call tries again after such a "
+                    "loss only if the budget can cover another worst case"
                 ),
             },
             "journal": {"path": SANDBOX_JOURNAL, "access": "read-only"},
@@ -181,15 +239,62 @@ class _InvalidRequest(Exception):
     """A request the ABI does not allow; the message is the 400 answer."""
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """What the socket answers one request: status, text and any extra headers."""
+
+    status: int
+    text: str
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class _Attempt:
+    """The attempt in progress; the model thread fills in what it learns."""
+
+    number: int
+    started_at: datetime
+    clock: float
+    admission: Admission | None = None
+    # When the thread began to wait for the cap (time.monotonic()), if it did.
+    capping: float | None = None
+    cap_waited: float = 0.0
+    # When the request left for the vendor (time.monotonic()); None while it has not.
+    sent: float | None = None
+
+
 @dataclass
 class _Call:
-    """A request that got as far as having a body, until it is audited."""
+    """A request that got as far as having a body, until it is audited.
+
+    Mutated by the event loop only, and read by __exit__ once the loop has stopped.
+    """
 
     index: int
     started_at: datetime
     clock: float
     prompt: bytes
     requested_output_tokens: int | None = None
+    # The open reservation the next attempt runs on, if any.
+    reservation: Reservation | None = None
+    reserved: Decimal = Decimal(0)
+    charged: Decimal = Decimal(0)
+    attempts: list[ModelAttempt] = field(default_factory=list)
+    current: _Attempt | None = None
+
+    def reserve(self, ledger: Ledger, tokens: int) -> None:
+        """Hold a worst case for the next attempt; BudgetExhausted holds nothing."""
+        self.reservation = ledger.reserve(len(self.prompt), tokens)
+        self.reserved += self.reservation.amount_usd
+
+    def settle(self, ledger: Ledger, cost: Decimal) -> Decimal:
+        """Close the open reservation at min(cost, reserved); the charge."""
+        if self.reservation is None:
+            return Decimal(0)
+        charge = ledger.settle(self.reservation, cost)
+        self.reservation = None
+        self.charged += charge
+        return charge
 
 
 @dataclass
@@ -213,14 +318,24 @@ class ModelSocket:
         context: GenerationContext,
         *,
         owner: tuple[int, int] | None = None,
+        throttle: Throttle | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """owner, (uid, gid), is who the socket is handed to when the sandbox runs as
-        a user of its own; without it the socket stays the worker's."""
+        a user of its own; without it the socket stays the worker's. throttle is the
+        cap every attempt at a capped provider waits for (none by default); retry, how
+        a call is tried again."""
         self.socket_path = Path(socket_path)
         self.provider = provider
         self.physics = physics
         self.context = context
         self.owner = owner
+        self.throttle: Throttle = throttle or LocalThrottle()
+        self.retry = retry or RetryPolicy()
+        self._jitter = random.Random()
+        # Set when the life ends: attempts still waiting for the cap give up at once.
+        self._ended = threading.Event()
+        self._wall_end = math.inf
         self.ledger = Ledger(
             physics.budget_usd,
             Prices(
@@ -234,7 +349,7 @@ class ModelSocket:
         self._admitted = 0
         self._audited_text = 0
         self.calls_over_limit = 0
-        self._in_flight: dict[int, tuple[_Call, Reservation]] = {}
+        self._in_flight: dict[int, _Call] = {}
         self._model_threads = _ModelThreads(
             MAX_CONNECTIONS, f"model-call-{context.lineage}-{context.generation}"
         )
@@ -255,6 +370,8 @@ class ModelSocket:
         if self.socket_path.is_socket():
             self.socket_path.unlink()
         listener = _listen(self.socket_path, self.owner)
+        # The life starts about now and is killed at its wall time: no call outlives it.
+        self._wall_end = time.monotonic() + self.physics.wall_seconds
         loop = asyncio.new_event_loop()
         task = loop.create_task(self._serve(listener))
         thread = threading.Thread(
@@ -273,6 +390,7 @@ class ModelSocket:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._ended.set()
         if self._serving is not None:
             serving, self._serving = self._serving, None
             serving.loop.call_soon_threadsafe(serving.task.cancel)
@@ -282,13 +400,20 @@ class ModelSocket:
         self._model_threads.close()
         self.socket_path.unlink(missing_ok=True)
         # The life is over (a wall timeout often ends it mid-call). A call still waiting
-        # for the model is recorded now, charged its reservation, so the observation
-        # written after this holds every call and every dollar that may have been spent.
+        # for the model is recorded now: charged its reservation if its request had left
+        # (the vendor may serve it still), else nothing. So the observation written
+        # after this holds every call and every dollar that may have been spent.
         with self._lock:
             abandoned = list(self._in_flight.values())
             self._in_flight.clear()
-        for call, reservation in abandoned:
-            self._fail(call, reservation, ABANDONED, keep_reservation=True)
+        for call in abandoned:
+            current, call.current = call.current, None
+            if current is not None:
+                billed = current.sent is not None
+                cost = call.settle(self.ledger, self._reserved(call) if billed else Decimal(0))
+                self._record(call, current, "abandoned", ABANDONED, billed=billed, cost=cost)
+            call.settle(self.ledger, Decimal(0))
+            self._audit(call, 502, MODEL_UNAVAILABLE, error=ABANDONED)
 
     async def _serve(self, listener: socket.socket) -> None:
         """Accept until cancelled, then close every connection."""
@@ -341,19 +466,19 @@ class ModelSocket:
             exchange = _Exchange(client)
             try:
                 try:
-                    status, text, allow = await self._route(exchange)
+                    answer = await self._route(exchange)
                     await exchange.drain()
                 except h11.RemoteProtocolError as exc:
                     logger.debug("model socket: malformed request: %s", exc)
                     if exc.error_status_hint == 431:
-                        status, text, allow = 431, HEAD_TOO_LONG, None
+                        answer = _Answer(431, HEAD_TOO_LONG)
                     else:
-                        status, text, allow = 400, f"malformed HTTP/1.1 request: {exc}", None
+                        answer = _Answer(400, f"malformed HTTP/1.1 request: {exc}")
                 except TimeoutError:
-                    status, allow = 408, None
                     text = f"the request did not arrive within {REQUEST_SECONDS} s of connecting"
                     logger.debug("model socket: %s", text)
-                await exchange.answer(status, text, allow)
+                    answer = _Answer(408, text)
+                await exchange.answer(answer)
             # Debug lines only: a hostile client must not be able to fill the worker's log.
             # A call it made is audited whatever became of its connection.
             except TimeoutError:
@@ -361,30 +486,29 @@ class ModelSocket:
             except OSError as exc:
                 logger.debug("model socket client left before the answer: %s", exc)
 
-    async def _route(self, exchange: _Exchange) -> tuple[int, str, str | None]:
-        """The status, text and Allow header of the answer to the connection's request."""
+    async def _route(self, exchange: _Exchange) -> _Answer:
+        """The answer to the connection's request."""
         request = await exchange.request()
         if request.target != GENERATE_PATH.encode():
-            return 404, f"unknown operation; the only one is POST {GENERATE_PATH}", None
+            return _Answer(404, f"unknown operation; the only one is POST {GENERATE_PATH}")
         if request.method != b"POST":
-            return 405, f"{GENERATE_PATH} takes POST only", "POST"
-        status, text = await self.serve_generate(request.headers, exchange)
-        return status, text, None
+            return _Answer(405, f"{GENERATE_PATH} takes POST only", (("Allow", "POST"),))
+        return await self.serve_generate(request.headers, exchange)
 
     async def serve_generate(
         self, headers: Sequence[tuple[bytes, bytes]], exchange: _Exchange
-    ) -> tuple[int, str]:
-        """One POST /generate whose headers are read: its status and the text to answer with."""
+    ) -> _Answer:
+        """One POST /generate whose headers are read: the answer to it."""
         started_at = datetime.now(UTC)
         clock = time.monotonic()
         try:
             raw = await _read_prompt(headers, exchange, self.physics.max_prompt_bytes)
         except _InvalidRequest as exc:
-            return 400, str(exc)
+            return _Answer(400, str(exc))
         with self._lock:
             if self._admitted >= MAX_CALLS:
                 self.calls_over_limit += 1
-                return 429, CALL_LIMIT
+                return _Answer(429, CALL_LIMIT)
             self._admitted += 1
         call = _Call(next(self._indices), started_at, clock, raw)
         try:
@@ -398,72 +522,186 @@ class ModelSocket:
             return self._audit(call, 400, str(exc))
         call.requested_output_tokens = tokens
         try:
-            reservation = self.ledger.reserve(len(raw), tokens)
+            call.reserve(self.ledger, tokens)
         except BudgetExhausted as exc:
             return self._audit(call, 402, BUDGET_EXHAUSTED, error=str(exc))
         with self._lock:
-            self._in_flight[call.index] = (call, reservation)
+            self._in_flight[call.index] = call
         try:
-            reply = await self._generate(prompt, tokens)
+            reply = await self._generate(call, prompt, tokens)
         except asyncio.CancelledError:
             # The generation ended first and __exit__ audits the call as abandoned; a
             # client still waiting hears what its record will say, if it can at once.
-            exchange.answer_at_once(502, MODEL_UNAVAILABLE)
+            exchange.answer_at_once(_Answer(502, MODEL_UNAVAILABLE))
             raise
         except ProviderUnavailable as exc:
             self._land(call.index)
             logger.warning("model call %d failed: %s", call.index, exc)
-            return self._fail(call, reservation, str(exc), keep_reservation=exc.may_have_billed)
+            call.settle(self.ledger, Decimal(0))
+            return self._audit(call, 502, MODEL_UNAVAILABLE, error=str(exc))
         self._land(call.index)
-        cost = self.ledger.settle_usage(reservation, reply.input_tokens, reply.output_tokens)
-        return self._audit(
-            call, 200, reply.text, reply=reply, reserved=reservation.amount_usd, cost=cost
-        )
+        return self._audit(call, 200, reply.text, reply=reply)
 
     def _land(self, index: int) -> None:
         """The call ended in time: settling it is no longer __exit__'s job."""
         with self._lock:
             del self._in_flight[index]
 
-    def _fail(
-        self, call: _Call, reservation: Reservation, error: str, *, keep_reservation: bool
-    ) -> tuple[int, str]:
-        # Refund what the vendor cannot have billed; keep the whole reservation when it
-        # may have served a request whose answer we lost, so the ceiling stays hard.
-        charge = reservation.amount_usd if keep_reservation else Decimal(0)
-        cost = self.ledger.settle(reservation, charge)
-        return self._audit(
-            call, 502, MODEL_UNAVAILABLE, error=error, reserved=reservation.amount_usd, cost=cost
-        )
+    @staticmethod
+    def _reserved(call: _Call) -> Decimal:
+        return call.reservation.amount_usd if call.reservation else Decimal(0)
 
-    async def _generate(self, prompt: str, max_output_tokens: int) -> ProviderReply:
-        """The provider's reply within model_timeout_seconds overall.
+    def _cost(self, call: _Call, reply: ProviderReply) -> Decimal:
+        """What an answer costs: its reported usage, else (none reported) the worst case."""
+        if reply.input_tokens is None or reply.output_tokens is None:
+            return self._reserved(call)
+        return self.ledger.prices.cost_usd(reply.input_tokens, reply.output_tokens)
 
-        The provider's own socket timeout bounds each read, not the whole exchange, so
-        the call runs on a model thread and is abandoned at the deadline.
+    async def _generate(self, call: _Call, prompt: str, tokens: int) -> ProviderReply:
+        """The provider's reply, tried as often as the retry policy and the deadline allow.
+
+        The deadline is model_timeout_seconds from the call's arrival, or the end of
+        the life's wall time if that is sooner. Each attempt runs on a model thread
+        (waiting for the cap there, then one request whose every read the stall limit
+        bounds) and is abandoned at the deadline. Raises ProviderUnavailable for the
+        last failure; every attempt is recorded on the call, and each one the vendor may
+        have billed is charged its reservation here.
         """
         timeout = self.physics.model_timeout_seconds
-        future = self._model_threads.submit(
-            functools.partial(
-                self.provider.generate, prompt, max_output_tokens, timeout, self.context
+        deadline = min(call.clock + timeout, self._wall_end)
+        late = (
+            f"no answer within {timeout} s"
+            if deadline < self._wall_end
+            else "no answer before the life's wall time"
+        )
+        estimate = math.ceil(len(call.prompt) / CAP_BYTES_PER_TOKEN) + tokens
+        for number in itertools.count(1):
+            attempt = _Attempt(number, datetime.now(UTC), time.monotonic())
+            call.current = attempt
+            future = self._model_threads.submit(
+                functools.partial(self._attempt, attempt, prompt, tokens, estimate, deadline)
+            )
+            outcome: AttemptOutcome = "failed"
+            try:
+                async with asyncio.timeout_at(deadline):
+                    reply = await asyncio.wrap_future(future)
+            except TimeoutError:
+                queued = future.cancel()
+                if attempt.sent is not None:
+                    outcome, failure = "abandoned", ProviderUnavailable(late, may_have_billed=True)
+                elif queued or attempt.capping is None or not self.provider.capped:
+                    # Every model thread is still held by an abandoned call: never sent.
+                    outcome, failure = "no_slot", ProviderUnavailable(late)
+                else:
+                    attempt.cap_waited = time.monotonic() - attempt.capping
+                    outcome = "no_slot"
+                    failure = ProviderUnavailable(
+                        str(no_room(self.provider.name, attempt.cap_waited))
+                    )
+            except NoRoom as exc:
+                attempt.cap_waited = exc.waited_seconds
+                outcome, failure = "no_slot", ProviderUnavailable(str(exc))
+            except ProviderUnavailable as exc:
+                failure = exc
+            except Exception as exc:
+                logger.error("provider %s failed unexpectedly", self.provider.name, exc_info=exc)
+                failure = ProviderUnavailable(
+                    f"{self.provider.name} failed: {type(exc).__name__}", may_have_billed=True
+                )
+            else:
+                cost = call.settle(self.ledger, self._cost(call, reply))
+                self._record(call, attempt, "answered", None, billed=False, cost=cost, status=200)
+                return reply
+            wait = self._next_wait(number, failure, deadline)
+            cost = Decimal(0)
+            if failure.may_have_billed:
+                cost = call.settle(self.ledger, self._reserved(call))
+            error = str(failure)
+            if wait is not None and call.reservation is None:
+                try:
+                    call.reserve(self.ledger, tokens)
+                except BudgetExhausted:
+                    wait, error = None, f"{failure}; {NO_RETRY_BUDGET}"
+            self._record(
+                call,
+                attempt,
+                outcome,
+                error,
+                billed=failure.may_have_billed,
+                cost=cost,
+                status=failure.status,
+                retry_after=failure.retry_after,
+                backoff=wait,
+            )
+            if wait is None:
+                raise ProviderUnavailable(error)
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable: attempts end by answering or raising")
+
+    def _attempt(
+        self, attempt: _Attempt, prompt: str, tokens: int, estimate: int, deadline: float
+    ) -> ProviderReply:
+        """On a model thread: room under the provider's cap, then one request."""
+        attempt.capping = time.monotonic()
+        cap = (
+            self.throttle.admit(self.provider.name, estimate, deadline, self._ended)
+            if self.provider.capped
+            else contextlib.nullcontext(None)
+        )
+        with cap as admission:
+            attempt.admission = admission
+            if admission is not None:
+                attempt.cap_waited = admission.waited_seconds
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise no_room(self.provider.name, attempt.cap_waited)
+            attempt.sent = time.monotonic()
+            return self.provider.generate(
+                prompt, tokens, min(self.retry.stall_seconds, left), self.context
+            )
+
+    def _next_wait(
+        self, number: int, failure: ProviderUnavailable, deadline: float
+    ) -> float | None:
+        """The wait before another attempt, or None when there is to be none."""
+        if not failure.retryable or number >= self.retry.max_attempts:
+            return None
+        wait = self.retry.backoff_seconds(number, failure.retry_after, self._jitter)
+        # A wait that ends at the deadline leaves no time to be answered in.
+        return wait if time.monotonic() + wait < deadline else None
+
+    def _record(
+        self,
+        call: _Call,
+        attempt: _Attempt,
+        outcome: AttemptOutcome,
+        error: str | None,
+        *,
+        billed: bool,
+        cost: Decimal = Decimal(0),
+        status: int | None = None,
+        retry_after: float | None = None,
+        backoff: float | None = None,
+    ) -> None:
+        """Add the attempt's record to its call."""
+        now = time.monotonic()
+        call.current = None
+        call.attempts.append(
+            ModelAttempt(
+                number=attempt.number,
+                started_at=attempt.started_at,
+                cap_wait_seconds=attempt.cap_waited,
+                request_seconds=now - attempt.sent if attempt.sent is not None else 0.0,
+                outcome=outcome,
+                vendor_status=status,
+                error=error,
+                retry_after_seconds=retry_after,
+                backoff_seconds=backoff,
+                may_have_billed=billed and attempt.sent is not None,
+                cost_usd=cost,
+                cap_note=attempt.admission.note if attempt.admission else None,
             )
         )
-        deadline = asyncio.timeout(timeout)
-        try:
-            async with deadline:
-                return await asyncio.wrap_future(future)
-        except ProviderUnavailable:
-            raise
-        except Exception as exc:
-            if deadline.expired():
-                # A call still queued for a thread was never sent, so it was not billed.
-                raise ProviderUnavailable(
-                    f"no answer within {timeout} s", may_have_billed=not future.cancel()
-                ) from None
-            logger.error("provider %s failed unexpectedly", self.provider.name, exc_info=exc)
-            raise ProviderUnavailable(
-                f"{self.provider.name} failed: {type(exc).__name__}", may_have_billed=True
-            ) from None
 
     def _audit(
         self,
@@ -473,11 +711,10 @@ class ModelSocket:
         *,
         error: str | None = None,
         reply: ProviderReply | None = None,
-        reserved: Decimal = Decimal(0),
-        cost: Decimal = Decimal(0),
-    ) -> tuple[int, str]:
+    ) -> _Answer:
         """Record the call and pass its answer on; a 200's answer is the model's text."""
         response = None
+        headers: tuple[tuple[str, str], ...] = ()
         if status == 200:
             # A vendor's JSON may carry lone surrogates; neither the socket nor the
             # record can hold them, so both get the same repaired text.
@@ -485,6 +722,8 @@ class ModelSocket:
             answer = response
         elif error is None:
             error = answer
+        if reply is not None:
+            headers = ((STOP_REASON_HEADER, reply.stop_reason),)
         prompt = call.prompt.decode("utf-8", errors="replace")
         # Counted as the record will be written: JSON spells a control byte in 6.
         text_bytes = _json_bytes(prompt) + (_json_bytes(response) if response else 0)
@@ -509,15 +748,18 @@ class ModelSocket:
                 else None
             ),
             requested_output_tokens=call.requested_output_tokens,
-            input_tokens=reply.input_tokens if reply else 0,
-            output_tokens=reply.output_tokens if reply else 0,
-            reserved_usd=reserved,
-            cost_usd=cost,
+            input_tokens=(reply.input_tokens or 0) if reply else 0,
+            output_tokens=(reply.output_tokens or 0) if reply else 0,
+            reserved_usd=call.reserved,
+            cost_usd=call.charged,
             error=error,
+            stop_reason=reply.stop_reason if reply else None,
+            usage_reported=reply.usage_reported if reply else True,
+            attempts=call.attempts,
         )
         with self._lock:
             self._calls.append(record)
-        return status, answer
+        return _Answer(status, answer, headers)
 
 
 def _json_bytes(text: str) -> int:
@@ -568,15 +810,15 @@ class _Exchange:
             while left > 0 and (chunk := await self.body_chunk()) is not None:
                 left -= len(chunk)
 
-    async def answer(self, status: int, text: str, allow: str | None = None) -> None:
-        data = _response(self.http, status, text, allow=allow, head_only=self.head_only)
+    async def answer(self, answer: _Answer) -> None:
+        data = _response(self.http, answer, head_only=self.head_only)
         async with asyncio.timeout(ANSWER_SECONDS):
             await self.loop.sock_sendall(self.client, data)
 
-    def answer_at_once(self, status: int, text: str) -> None:
+    def answer_at_once(self, answer: _Answer) -> None:
         """Answer if the socket takes it without waiting, or not at all."""
         with contextlib.suppress(OSError):
-            self.client.send(_response(self.http, status, text, head_only=self.head_only))
+            self.client.send(_response(self.http, answer, head_only=self.head_only))
 
     async def _receive(self, size: int) -> None:
         async with asyncio.timeout_at(self.deadline):
@@ -672,23 +914,16 @@ def _refuse(client: socket.socket) -> None:
     logger.debug("model socket: refused a connection beyond %d", MAX_CONNECTIONS)
 
 
-def _response(
-    http: h11.Connection,
-    status: int,
-    text: str,
-    *,
-    allow: str | None = None,
-    head_only: bool = False,
-) -> bytes:
+def _response(http: h11.Connection, answer: _Answer, *, head_only: bool = False) -> bytes:
     """The bytes of one whole answer; every answer closes its connection."""
-    body = text.encode("utf-8") if status == 200 else f"{text}\n".encode()
+    status = answer.status
+    body = answer.text.encode("utf-8") if status == 200 else f"{answer.text}\n".encode()
     headers = [
         ("Content-Type", "text/plain; charset=utf-8"),
         ("Content-Length", str(len(body))),
         ("Connection", "close"),
+        *answer.headers,
     ]
-    if allow is not None:
-        headers.append(("Allow", allow))
     events: list[h11.Event] = [
         h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase)
     ]
@@ -698,7 +933,7 @@ def _response(
     return b"".join(http.send(event) or b"" for event in events)
 
 
-_REFUSAL = _response(h11.Connection(h11.SERVER), 503, BUSY)
+_REFUSAL = _response(h11.Connection(h11.SERVER), _Answer(503, BUSY))
 
 
 async def _read_prompt(
