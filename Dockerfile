@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # One image for every fleet role that runs our code (worker, reconciler, web UI,
 # schedule-lineage CLI), plus two small side targets built from the same file:
 #   flower   the app image plus Flower (not a project dependency, so only here)
@@ -11,6 +9,15 @@
 # record a lineage without the exact commit of the instrument it ran under.
 #   docker compose build --build-arg OUROBOROS_INSTRUMENT_COMMIT=$(git rev-parse HEAD)
 # (deploy/compose/build.sh does that and refuses a dirty tree).
+#
+# No `# syntax=` line: it makes the builder fetch its Dockerfile frontend from a
+# registry, so every build fails on a host without one; the frontend built into
+# BuildKit handles everything here (COPY --chmod, RUN --mount).
+#
+# pip trusts the CA bundle passed as the build secret `build-ca` when one is
+# given (deploy/compose/no-registry.yml passes the build host's: egress proxies
+# that re-sign TLS). A secret mount never lands in a layer; without it (the
+# default) pip uses its own bundle.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG DEBIAN_IMAGE=debian:bookworm-slim
@@ -42,7 +49,9 @@ RUN groupadd --system --gid 10001 ouroboros \
  && install -d -o ouroboros -g ouroboros -m 0750 /srv/git /var/lib/ouroboros
 
 COPY . /src
-RUN pip install /src && rm -rf /src
+RUN --mount=type=secret,id=build-ca,required=false \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && pip install /src && rm -rf /src
 
 ARG OUROBOROS_INSTRUMENT_COMMIT=""
 ENV OUROBOROS_INSTRUMENT_COMMIT=${OUROBOROS_INSTRUMENT_COMMIT}
@@ -64,7 +73,9 @@ WORKDIR /var/lib/ouroboros
 # promise. A side target keeps Flower and its web stack out of the worker image.
 FROM base AS flower
 USER root
-RUN pip install "flower>=2.0,<3"
+RUN --mount=type=secret,id=build-ca,required=false \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && pip install "flower>=2.0,<3"
 USER ouroboros
 
 # ---------------------------------------------------------------------------
