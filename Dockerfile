@@ -48,6 +48,15 @@ RUN groupadd --system --gid 10001 ouroboros \
       --create-home --shell /usr/sbin/nologin ouroboros \
  && install -d -o ouroboros -g ouroboros -m 0750 /srv/git /var/lib/ouroboros
 
+# The dependencies first, in a layer keyed on pyproject.toml alone: a change to the
+# code rebuilds only the package's own small layer below, not this one.
+COPY pyproject.toml /src/pyproject.toml
+RUN --mount=type=secret,id=build-ca,required=false \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && python -c 'import tomllib; print("\n".join(tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+      >/tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt && rm -rf /tmp/requirements.txt /src
+
 COPY . /src
 RUN --mount=type=secret,id=build-ca,required=false \
     if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
@@ -80,6 +89,7 @@ USER ouroboros
 
 # ---------------------------------------------------------------------------
 FROM ${DEBIAN_IMAGE} AS git-ssh
+LABEL org.opencontainers.image.title="ouroboros-git-ssh"
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       openssh-server git \
