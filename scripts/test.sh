@@ -12,7 +12,9 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   for _ in $(seq 50); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 
-./scripts/start-dockerd.sh
+# Without an engine the rest of the suite still runs; the compose test then fails
+# and says why.
+./scripts/start-dockerd.sh || echo "test.sh: no Docker engine answers; the compose test will fail" >&2
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
