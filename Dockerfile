@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # One image for every fleet role that runs our code (worker, reconciler, web UI,
 # schedule-lineage CLI), plus two small side targets built from the same file:
 #   flower   the app image plus Flower (not a project dependency, so only here)
@@ -11,6 +9,15 @@
 # record a lineage without the exact commit of the instrument it ran under.
 #   docker compose build --build-arg OUROBOROS_INSTRUMENT_COMMIT=$(git rev-parse HEAD)
 # (deploy/compose/build.sh does that and refuses a dirty tree).
+#
+# No `# syntax=` line: it makes the builder fetch its Dockerfile frontend from a
+# registry, so every build fails on a host without one; the frontend built into
+# BuildKit handles everything here (COPY --chmod, RUN --mount).
+#
+# pip trusts the CA bundle passed as the build secret `build-ca` when one is
+# given (deploy/compose/no-registry.yml passes the build host's: egress proxies
+# that re-sign TLS). A secret mount never lands in a layer; without it (the
+# default) pip uses its own bundle.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG DEBIAN_IMAGE=debian:bookworm-slim
@@ -41,8 +48,19 @@ RUN groupadd --system --gid 10001 ouroboros \
       --create-home --shell /usr/sbin/nologin ouroboros \
  && install -d -o ouroboros -g ouroboros -m 0750 /srv/git /var/lib/ouroboros
 
+# The dependencies first, in a layer keyed on pyproject.toml alone: a change to the
+# code rebuilds only the package's own small layer below, not this one.
+COPY pyproject.toml /src/pyproject.toml
+RUN --mount=type=secret,id=build-ca,required=false \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && python -c 'import tomllib; print("\n".join(tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+      >/tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt && rm -rf /tmp/requirements.txt /src
+
 COPY . /src
-RUN pip install /src && rm -rf /src
+RUN --mount=type=secret,id=build-ca,required=false \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && pip install /src && rm -rf /src
 
 ARG OUROBOROS_INSTRUMENT_COMMIT=""
 ENV OUROBOROS_INSTRUMENT_COMMIT=${OUROBOROS_INSTRUMENT_COMMIT}
@@ -64,11 +82,14 @@ WORKDIR /var/lib/ouroboros
 # promise. A side target keeps Flower and its web stack out of the worker image.
 FROM base AS flower
 USER root
-RUN pip install "flower>=2.0,<3"
+RUN --mount=type=secret,id=build-ca,required=false \
+    if [ -s /run/secrets/build-ca ]; then export PIP_CERT=/run/secrets/build-ca; fi \
+ && pip install "flower>=2.0,<3"
 USER ouroboros
 
 # ---------------------------------------------------------------------------
 FROM ${DEBIAN_IMAGE} AS git-ssh
+LABEL org.opencontainers.image.title="ouroboros-git-ssh"
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       openssh-server git \

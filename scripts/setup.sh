@@ -11,6 +11,11 @@ packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd
 if [ "${OUROBOROS_SETUP_BROWSER:-1}" = 1 ]; then
   packages+=(chromium)
 fi
+# The compose test boots the whole fleet in Docker: the engine, and debootstrap
+# for base images built here (no image registry is needed; deploy/README.md).
+if [ "${OUROBOROS_SETUP_DOCKER:-1}" = 1 ]; then
+  packages+=(docker.io debootstrap)
+fi
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -21,6 +26,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: installing ${missing[*]}" >&2
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ "${OUROBOROS_SETUP_DOCKER:-1}" = 1 ]; then
+  # Compose v2 (bookworm's docker-compose is v1, which rejects docker-compose.yml).
+  ./scripts/install-compose-v2.sh
 fi
 
 python=${PYTHON:-python3}

@@ -1,4 +1,5 @@
-"""Shared fixtures: observation stores, and a real S3 endpoint for the test session.
+"""Shared fixtures: observation stores, a real S3 endpoint for the test session, and
+the machine-wide lock of the heaviest tests.
 
 S3 is moto's standalone server in a subprocess, spoken to over HTTP by the real
 boto3 stack: nothing in this process is patched, so signing, addressing, retries
@@ -7,6 +8,8 @@ and the ``If-None-Match`` write-once path are exercised as against MinIO or AWS.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import subprocess
 import sys
@@ -26,6 +29,11 @@ from worker.instrument.store import ObservationStore, open_store
 
 S3_REGION = "us-east-1"
 MOTO_START_SECONDS = 30
+# The lock every test that wants most of this 2-core machine holds while it runs
+# (the compose fleet; a virtual machine): two of them at once, from one session or
+# two, would each miss their deadlines. The kernel drops it when the holder exits.
+HEAVY_LOCK = Path("/run/lock/ouroboros-heavy-tests.lock")
+HEAVY_LOCK_WAIT_SECONDS = 45 * 60
 
 
 @pytest.fixture(scope="session")
@@ -138,3 +146,30 @@ def observation_store(request: pytest.FixtureRequest) -> ObservationStore:
     """Each store kind in turn: tests using it run once per backend."""
     store: ObservationStore = request.getfixturevalue(f"{request.param}_store")
     return store
+
+
+@pytest.fixture(scope="module")
+def machine_to_itself(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Holds HEAVY_LOCK for the requesting module: no other heavy test runs meanwhile."""
+    HEAVY_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    handle = os.open(HEAVY_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + HEAVY_LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() > deadline:
+                holder = os.pread(handle, 200, 0).decode(errors="replace").strip()
+                pytest.fail(
+                    f"{HEAVY_LOCK} is still held after {HEAVY_LOCK_WAIT_SECONDS} s by {holder}"
+                )
+            time.sleep(5)
+        os.ftruncate(handle, 0)
+        os.pwrite(handle, f"pid {os.getpid()}: {request.module.__name__}\n".encode(), 0)
+        yield
+    finally:
+        os.close(handle)

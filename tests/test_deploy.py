@@ -233,7 +233,8 @@ def check_celery(argv: list[str], where: str, image: str) -> None:
         # Flower is installed only in the flower image target (not a dependency).
         assert image.startswith("ouroboros-flower:"), where
         assert re.search(
-            r"FROM base AS flower\n(?:.*\n)*?RUN pip install \"flower", DOCKERFILE.read_text()
+            r"FROM base AS flower\n(?:(?!FROM ).*\n)*?.*\bpip install \"flower",
+            DOCKERFILE.read_text(),
         )
         return
     assert subcommand in {"worker", "beat", "inspect"}, f"{where}: celery {subcommand}"
