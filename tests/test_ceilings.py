@@ -4,7 +4,8 @@ cgroup1 is exercised for real (this kind of host has writable cgroup v1); cgroup
 a directory tree standing in for cgroupfs, plus its availability on the real host;
 systemd through stand-in ``systemd-run``/``systemctl`` executables on PATH, as the seed
 test does. Every real scope a test opens is closed by it, and the fixtures check that no
-cgroup directory or process is left behind.
+cgroup directory or process is left behind. The systemd and cgroup2 drivers on a real
+systemd and a real delegated v2 hierarchy are in tests/test_vm_host.py (a booted guest).
 """
 
 from __future__ import annotations
@@ -146,8 +147,37 @@ def test_cgroup1_kill_ends_every_process_in_the_scope(label: str) -> None:
         while len(procs.read_text().split()) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(procs.read_text().split()) == 3
+        enclosure.kill("wall")
+        assert procs.read_text() == ""
+        assert process.wait(timeout=30) == -9
+        enclosure.kill()  # the sweep that follows does not change why it ended
+        assert enclosure.figures().result == "timeout"
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_cgroup1_sweep_after_a_clean_exit_is_not_a_kill(label: str) -> None:
+    with Cgroup1Ceiling().open(Physics(), label) as enclosure:
+        # The life's process ends by itself, leaving a straggler the sweep must kill.
+        argv = ["/bin/sh", "-c", "sleep 300 </dev/null >/dev/null 2>&1 & exit 0"]
+        assert subprocess.run(enclosure.command(argv), env=MINIMAL_ENV).returncode == 0
+        procs = enclosure.directories["pids"] / "cgroup.procs"
+        assert len(procs.read_text().split()) == 1
         enclosure.kill()
         assert procs.read_text() == ""
+        assert enclosure.figures().result == "exited"
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+def test_cgroup1_kill_for_an_overflowing_result_says_killed(label: str) -> None:
+    with Cgroup1Ceiling().open(Physics(), label) as enclosure:
+        process = subprocess.Popen(enclosure.command(["/bin/sleep", "300"]), env=MINIMAL_ENV)
+        procs = enclosure.directories["pids"] / "cgroup.procs"
+        deadline = time.monotonic() + 30
+        while not procs.read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        enclosure.kill("overflow")
         assert process.wait(timeout=30) == -9
         assert enclosure.figures().result == "killed"
 
@@ -365,12 +395,12 @@ def test_systemd_is_unavailable_when_no_user_manager_answers(standins: Path) -> 
     assert reason is not None and "no systemd user manager answers" in reason
 
 
-def test_systemd_before_254_is_unavailable_for_lack_of_expand_environment(
-    standins: Path,
-) -> None:
+def test_systemd_from_252_is_available_and_older_is_not(standins: Path) -> None:
     (standins / "version").write_text("252\n")
+    assert SystemdCeiling().unavailable_reason() is None
+    (standins / "version").write_text("251\n")
     reason = SystemdCeiling().unavailable_reason()
-    assert reason is not None and "252" in reason and "254" in reason
+    assert reason is not None and "251" in reason and "252+" in reason
 
 
 def test_systemd_unit_carries_the_ceilings_as_properties(standins: Path) -> None:
@@ -383,7 +413,6 @@ def test_systemd_unit_carries_the_ceilings_as_properties(standins: Path) -> None
         "--user",
         "--wait",
         "--pipe",
-        "--expand-environment=no",
         "CPUQuota=20%",
         "MemoryMax=1G",
         "MemorySwapMax=0",
@@ -394,15 +423,40 @@ def test_systemd_unit_carries_the_ceilings_as_properties(standins: Path) -> None
         assert expected in arguments
     assert f"--unit={enclosure.unit}" in arguments
     assert enclosure.unit.startswith("ouroboros-lineage-1-") and enclosure.unit.endswith(".service")
+    # An option of 254+ only: the argv is escaped instead, on every version.
+    assert "--expand-environment=no" not in arguments
+    # The collector of the unit's cgroup figures, run after its processes ended.
+    (stop_post,) = [a for a in arguments if a.startswith("ExecStopPost=")]
+    assert stop_post == (
+        f"ExecStopPost=/bin/sh {enclosure.figures_dir}/collect.sh {enclosure.figures_file}"
+    )
     # The service gets an environment of PATH alone, whatever the user manager holds.
     command = arguments[arguments.index("--") + 1 :]
     assert command[1:] == ["-i", "PATH=/usr/bin:/bin", "/bin/true"]
+    enclosure.close()
+    assert not enclosure.figures_dir.exists()
+
+
+def test_systemd_argv_reaches_the_service_unexpanded(standins: Path) -> None:
+    # The stand-in expands "$NAME", "${NAME}" and "$$" as the manager does.
+    words = ["$STANDIN_MANAGER_VAR", "${STANDIN_MANAGER_VAR}x", "$$", "100%h", "a b", "'\\\""]
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    done = subprocess.run(
+        enclosure.command(["/bin/sh", "-c", 'printf "%s\\n" "$@"', "sh", *words]),
+        env=MINIMAL_ENV,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    enclosure.close()
+    assert done.stdout.splitlines() == words
+    (arguments,) = logged_calls(standins / "systemd-run.args")
+    assert "$$STANDIN_MANAGER_VAR" in arguments
 
 
 def test_systemd_figures_are_read_back_with_systemctl_show(standins: Path) -> None:
     (standins / "show").write_text(
-        "Result=oom-kill\nExecMainCode=2\nExecMainStatus=9\n"
-        "CPUUsageNSec=12000000\nMemoryPeak=4194304\nOOMKills=1\n"
+        "Result=oom-kill\nCPUUsageNSec=12000000\nMemoryPeak=4194304\nOOMKills=1\n"
     )
     enclosure = SystemdCeiling().open(Physics(), "lineage-1")
     figures = enclosure.figures()
@@ -411,7 +465,7 @@ def test_systemd_figures_are_read_back_with_systemctl_show(standins: Path) -> No
         "show",
         enclosure.unit,
         "-p",
-        "Result,ExecMainCode,ExecMainStatus,CPUUsageNSec,MemoryPeak,OOMKills",
+        "Result,CPUUsageNSec,MemoryPeak,OOMKills",
     ]
     assert figures.driver == "systemd"
     assert figures.result == "oom-kill"
@@ -424,12 +478,97 @@ def test_systemd_figures_are_read_back_with_systemctl_show(standins: Path) -> No
 
 
 def test_systemd_figures_a_manager_does_not_report_are_named_so(standins: Path) -> None:
+    # No collector ran (the unit never started, say), and the manager reports little.
     (standins / "show").write_text("Result=success\nCPUUsageNSec=[not set]\n")
     figures = SystemdCeiling().open(Physics(), "lineage-1").figures()
     assert figures.cpu_usage_nsec is None and figures.memory_peak_bytes is None
     assert figures.oom_kills == 0
-    assert figures.sources["cpu_usage_nsec"] == "systemd:CPUUsageNSec not set"
-    assert figures.sources["oom_kills"] == "systemd:OOMKills not reported by this systemd"
+    assert figures.sources["cpu_usage_nsec"] == (
+        "systemd:CPUUsageNSec not set, and no cgroup2:cpu.stat usage_usec"
+    )
+    assert figures.sources["oom_kills"] == (
+        "systemd:OOMKills not reported by this systemd, and no cgroup2:memory.events oom_kill"
+    )
+
+
+def stop_post_file(unit: str, result: str = "oom-kill") -> str:
+    """What the ExecStopPost= collector writes for ``unit`` after an OOM kill."""
+    cgroup = f"/user.slice/user-1000.slice/user@1000.service/app.slice/{unit}"
+    return (
+        f"cgroup {cgroup}\nservice_result {result}\nmemory.peak 67108864\n"
+        "memory.events low 0\nmemory.events high 0\nmemory.events max 31\n"
+        "memory.events oom 2\nmemory.events oom_kill 2\nmemory.events oom_group_kill 0\n"
+        "cpu.stat usage_usec 1500\ncpu.stat user_usec 1000\ncpu.stat system_usec 500\n"
+    )
+
+
+def test_systemd_252_figures_come_from_the_units_own_cgroup_files(standins: Path) -> None:
+    # systemd 252: no MemoryPeak or OOMKills, and the unit (with its cgroup) is gone.
+    (standins / "version").write_text("252\n")
+    (standins / "show").write_text("Result=success\nCPUUsageNSec=[not set]\n")
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    (standins / "stop-post").write_text(stop_post_file(enclosure.unit))
+    subprocess.run(enclosure.command(["/bin/true"]), env=MINIMAL_ENV, check=True)
+    figures = enclosure.figures()
+    enclosure.close()
+    assert figures.result == "oom-kill"
+    assert (figures.cpu_usage_nsec, figures.memory_peak_bytes, figures.oom_kills) == (
+        1_500_000,
+        64 * 1024**2,
+        2,
+    )
+    where = "of the unit's cgroup /user.slice/user-1000.slice/user@1000.service/app.slice/"
+    assert figures.sources == {
+        "cpu_usage_nsec": f"cgroup2:cpu.stat usage_usec {where}{enclosure.unit}",
+        "memory_peak_bytes": f"cgroup2:memory.peak {where}{enclosure.unit}",
+        "oom_kills": f"cgroup2:memory.events oom_kill {where}{enclosure.unit}",
+        "result": "systemd:$SERVICE_RESULT at ExecStopPost",
+    }
+
+
+def test_systemd_figures_of_the_manager_come_before_the_cgroup_files(standins: Path) -> None:
+    (standins / "show").write_text("Result=success\nCPUUsageNSec=7000\nMemoryPeak=4096\n")
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    (standins / "stop-post").write_text(stop_post_file(enclosure.unit, "success"))
+    subprocess.run(enclosure.command(["/bin/true"]), env=MINIMAL_ENV, check=True)
+    figures = enclosure.figures()
+    enclosure.close()
+    assert (figures.cpu_usage_nsec, figures.memory_peak_bytes, figures.oom_kills) == (7000, 4096, 2)
+    assert figures.sources["cpu_usage_nsec"] == "systemd:CPUUsageNSec"
+    assert figures.sources["memory_peak_bytes"] == "systemd:MemoryPeak"
+    assert figures.sources["oom_kills"].startswith("cgroup2:memory.events oom_kill of the unit")
+
+
+def test_systemd_collector_of_another_cgroup_is_a_host_fault(standins: Path) -> None:
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    (standins / "stop-post").write_text(stop_post_file("elsewhere.service"))
+    subprocess.run(enclosure.command(["/bin/true"]), env=MINIMAL_ENV, check=True)
+    with pytest.raises(CeilingError, match="ran in another cgroup"):
+        enclosure.figures()
+    enclosure.close()
+
+
+def test_systemd_result_says_why_the_worker_killed_the_unit(standins: Path) -> None:
+    (standins / "show").write_text("Result=signal\n")
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    (standins / "stop-post").write_text(stop_post_file(enclosure.unit, "signal"))
+    subprocess.run(enclosure.command(["/bin/true"]), env=MINIMAL_ENV, check=True)
+    enclosure.kill("wall")
+    enclosure.kill()
+    figures = enclosure.figures()
+    enclosure.close()
+    # An OOM kill outranks the worker's wall-time kill: the manager's word stands.
+    assert (figures.result, figures.oom_kills) == ("signal", 2)
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    (standins / "stop-post").write_text(
+        stop_post_file(enclosure.unit, "signal").replace("oom_kill 2", "oom_kill 0")
+    )
+    subprocess.run(enclosure.command(["/bin/true"]), env=MINIMAL_ENV, check=True)
+    enclosure.kill("wall")
+    figures = enclosure.figures()
+    enclosure.close()
+    assert figures.result == "timeout"
+    assert figures.sources["result"] == "the worker's kill (wall time or result overflow)"
 
 
 def test_systemd_kill_and_close_kill_stop_and_reset_the_unit(standins: Path) -> None:

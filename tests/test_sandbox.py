@@ -153,6 +153,8 @@ def test_clean_exit_returns_a_tar_of_the_organisms_writes(
     assert (result.exit_status, result.signal, result.wall_timeout) == (0, None, False)
     assert result.archive_bytes == len(result.archive or b"")
     assert result.figures.driver == "cgroup1"
+    # The sweep of the scope after a clean exit is not a kill of the life.
+    assert result.figures.result == "exited"
     assert result.figures.cpu_usage_nsec and result.figures.memory_peak_bytes
     assert set(result.figures.sources) >= {"cpu_usage_nsec", "memory_peak_bytes", "oom_kills"}
 
@@ -199,7 +201,7 @@ def test_endless_loop_ends_wall_timeout(
     result = live("(while t)", cgroup1, label, emacs, physics)
     assert result.death() == "wall_timeout"
     assert result.wall_timeout
-    assert result.figures.result == "killed"
+    assert result.figures.result == "timeout"
     assert result.archive is None
 
 
@@ -258,6 +260,7 @@ def test_archive_over_the_cap_is_a_decoder_rejection(
     result = live(organism, cgroup1, label, emacs, physics)
     assert result.death() == "decoder_rejection"
     assert result.archive_overflow
+    assert result.figures.result == "killed"
     assert result.archive is None
     assert physics.archive_cap_bytes < result.archive_bytes < physics.archive_cap_bytes + 2**20
 

@@ -8,9 +8,9 @@
 # no process itself, and the worker starts inside its service's cgroup. So the
 # worker moves to a leaf `main`, cpu, memory and pids are enabled for an empty
 # sibling `sandboxes`, and OUROBOROS_CGROUP_PARENT points the driver there.
-# (systemd 254+ does the first half with DelegateSubgroup=; Debian 12 has 252,
-# whose systemd-run also lacks the --expand-environment=no the systemd driver
-# needs, so there the worker's ceiling is this cgroup2 subtree.)
+# (systemd 254+ does the first half with DelegateSubgroup=; Debian 12 and
+# RHEL 9 have 252, so it is done here. `auto` picks the systemd driver where a
+# user manager answers; OUROBOROS_CEILING=cgroup2 uses this subtree instead.)
 #
 # Without a writable delegated cgroup v2 it changes nothing: the worker's
 # ceiling preflight then names what is missing.

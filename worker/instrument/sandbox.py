@@ -258,12 +258,18 @@ def run_sandbox(
         finally:
             os.close(options_pipe)
         assert process.stdout is not None and process.stderr is not None
-        archive = _Capture(process.stdout, physics.archive_cap_bytes, enclosure.kill)
+        archive = _Capture(
+            process.stdout, physics.archive_cap_bytes, lambda: enclosure.kill("overflow")
+        )
         stderr = _Capture(process.stderr, STDERR_KEEP_BYTES, None)
         try:
             wall_timeout = not _exited_within(process, physics.wall_seconds)
+            if wall_timeout:
+                enclosure.kill("wall")
         finally:
-            # Whatever is still in the scope dies now, so both pipes reach end of file.
+            # Whatever is still in the scope dies now, so both pipes reach end of file. After
+            # a life that ended by itself this is a sweep, not a kill of the life: the
+            # figures' result says so (see worker.ceilings.base.cgroupfs_result).
             enclosure.kill()
             process.wait()
             archive.join()

@@ -31,7 +31,7 @@ DRIVERS: dict[str, type[Ceiling]] = {
 }
 _PROBE_TIMEOUT_SECONDS = 60
 _ADVICE = (
-    "run the worker where a systemd user manager answers (systemd 254+), or as root with"
+    "run the worker where a systemd user manager answers (systemd 252+), or as root with"
     " writable cgroupfs (v2 delegating cpu, memory and pids, or v1 cpu, cpuacct, memory and"
     " pids), or choose a working driver with --ceiling systemd|cgroup2|cgroup1"
 )

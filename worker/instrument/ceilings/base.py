@@ -24,13 +24,20 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker.instrument.names import DriverName
 from worker.instrument.physics import Physics
 
+# Why the worker ended a life that was still running: its wall time ran out, or its
+# result stream outgrew the archive cap. A kill without a cause is the sweep after the
+# life's process ended by itself, which kills nothing of the life (at most leftovers).
+KillCause = Literal["wall", "overflow"]
+# The driver_result word a kill with a cause stands for; "timeout" is systemd's own
+# word for a unit its RuntimeMaxSec= ended, so both kinds of driver say the same.
+KILL_RESULTS: dict[KillCause, str] = {"wall": "timeout", "overflow": "killed"}
 SCOPE_PARENT = "ouroboros"
 CFS_PERIOD_USEC = 100_000
 # A scope that does not empty within this time after SIGKILL is a host fault, not a slow organism.
@@ -65,8 +72,13 @@ class Enclosure(ABC):
         """The argv to exec so that ``argv`` runs inside the scope from its first instruction."""
 
     @abstractmethod
-    def kill(self) -> None:
-        """SIGKILL every process in the scope and return once it is empty."""
+    def kill(self, cause: KillCause | None = None) -> None:
+        """SIGKILL every process in the scope and return once it is empty.
+
+        ``cause`` says why the worker ends a life that is still running; without one
+        this is the sweep after the life ended by itself, and the figures' result
+        does not change.
+        """
 
     @abstractmethod
     def figures(self) -> Figures:
@@ -235,17 +247,14 @@ def members(procs_files: Iterable[Path]) -> set[int]:
     return found
 
 
-def empty_scope(procs_files: list[Path], strike: Callable[[set[int]], None]) -> bool:
-    """Call ``strike`` with the scope's pids until it lists none; True if any were found."""
+def empty_scope(procs_files: list[Path], strike: Callable[[set[int]], None]) -> None:
+    """Call ``strike`` with the scope's pids until it lists none."""
     deadline = time.monotonic() + KILL_TIMEOUT_SECONDS
-    struck = False
     while pids := members(procs_files):
-        struck = True
         if time.monotonic() > deadline:
             raise CeilingError(f"scope {procs_files[0].parent} still holds pids {sorted(pids)}")
         strike(pids)
         time.sleep(0.01)
-    return struck
 
 
 def sigkill_members(procs_files: list[Path]) -> Callable[[set[int]], None]:
@@ -284,11 +293,18 @@ def joined_cpu_nsec(cpu_nsec: int, scope: Path) -> int:
     return cpu_nsec
 
 
-def cgroupfs_result(oom_kills: int, killed: bool) -> str:
-    """The cgroup drivers' word for how a scope ended (they never see the exit status)."""
+def cgroupfs_result(oom_kills: int, cause: KillCause | None) -> str:
+    """The cgroup drivers' word for how a scope's life ended (they never see the exit status).
+
+    ``oom-kill``: the memory ceiling killed a process of it (this wins: the kill it
+    caused may have ended the life in any way); ``timeout``: the worker ended it at
+    its wall time; ``killed``: the worker ended it for overflowing its result stream;
+    ``exited``: its process ended by itself, whatever its status (the sweep that
+    follows, which may find the exiting process still listed, is not a kill).
+    """
     if oom_kills:
         return "oom-kill"
-    return "killed" if killed else "exited"
+    return KILL_RESULTS[cause] if cause else "exited"
 
 
 def read_int(path: Path) -> int:

@@ -22,6 +22,7 @@ from worker.instrument.ceilings.base import (
     CeilingError,
     Enclosure,
     Figures,
+    KillCause,
     cfs_quota_usec,
     cgroupfs_result,
     create_scope_dir,
@@ -48,7 +49,7 @@ class Cgroup1Enclosure(Enclosure):
 
     def __init__(self, directories: dict[str, Path]) -> None:
         self.directories = directories
-        self._killed_members = False
+        self._cause: KillCause | None = None
         self._closed = False
 
     @property
@@ -58,22 +59,23 @@ class Cgroup1Enclosure(Enclosure):
     def command(self, argv: list[str]) -> list[str]:
         return join_command(self._distinct, argv)
 
-    def kill(self) -> None:
+    def kill(self, cause: KillCause | None = None) -> None:
+        # The first cause stands: the sweep that follows a wall-time kill does not undo it.
+        self._cause = self._cause or cause
         procs = [directory / "cgroup.procs" for directory in self._distinct]
-        if empty_scope(procs, sigkill_members(procs)):
-            self._killed_members = True
+        empty_scope(procs, sigkill_members(procs))
 
     def figures(self) -> Figures:
         memory, cpuacct = self.directories["memory"], self.directories["cpuacct"]
         oom_kills = read_keyed(memory / "memory.oom_control", "oom_kill")
         return Figures(
             driver="cgroup1",
-            result=cgroupfs_result(oom_kills, self._killed_members),
+            result=cgroupfs_result(oom_kills, self._cause),
             cpu_usage_nsec=joined_cpu_nsec(read_int(cpuacct / "cpuacct.usage"), cpuacct),
             memory_peak_bytes=read_int(memory / "memory.max_usage_in_bytes"),
             oom_kills=oom_kills,
             sources={
-                "result": "cgroup1:memory.oom_control oom_kill, and whether the scope was killed",
+                "result": "cgroup1:memory.oom_control oom_kill, and why the worker killed it",
                 "cpu_usage_nsec": "cgroup1:cpuacct.usage",
                 "memory_peak_bytes": "cgroup1:memory.max_usage_in_bytes",
                 "oom_kills": "cgroup1:memory.oom_control oom_kill",

@@ -24,6 +24,7 @@ from worker.instrument.ceilings.base import (
     CeilingError,
     Enclosure,
     Figures,
+    KillCause,
     cfs_quota_usec,
     cgroupfs_result,
     create_scope_dir,
@@ -45,20 +46,21 @@ CONTROLLERS = ("cpu", "memory", "pids")
 class Cgroup2Enclosure(Enclosure):
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._killed_members = False
+        self._cause: KillCause | None = None
         self._closed = False
 
     def command(self, argv: list[str]) -> list[str]:
         return join_command([self.directory], argv)
 
-    def kill(self) -> None:
+    def kill(self, cause: KillCause | None = None) -> None:
+        # The first cause stands: the sweep that follows a wall-time kill does not undo it.
+        self._cause = self._cause or cause
         # cgroup.kill (Linux 5.14+) kills the whole scope atomically, including processes
         # forked while it runs; the loop only waits for the scope to report empty.
-        if empty_scope(
+        empty_scope(
             [self.directory / "cgroup.procs"],
             lambda _pids: write_value(self.directory / "cgroup.kill", 1),
-        ):
-            self._killed_members = True
+        )
 
     def figures(self) -> Figures:
         oom_kills = read_keyed(self.directory / "memory.events", "oom_kill")
@@ -66,14 +68,14 @@ class Cgroup2Enclosure(Enclosure):
         has_peak = peak.exists()
         return Figures(
             driver="cgroup2",
-            result=cgroupfs_result(oom_kills, self._killed_members),
+            result=cgroupfs_result(oom_kills, self._cause),
             cpu_usage_nsec=joined_cpu_nsec(
                 read_keyed(self.directory / "cpu.stat", "usage_usec") * 1000, self.directory
             ),
             memory_peak_bytes=read_int(peak) if has_peak else None,
             oom_kills=oom_kills,
             sources={
-                "result": "cgroup2:memory.events oom_kill, and whether the scope was killed",
+                "result": "cgroup2:memory.events oom_kill, and why the worker killed it",
                 "cpu_usage_nsec": "cgroup2:cpu.stat usage_usec",
                 "memory_peak_bytes": (
                     "cgroup2:memory.peak"

@@ -1,16 +1,34 @@
 """The systemd driver: one transient ``systemd-run --user`` service per scope.
 
 Owns the unit's properties (``CPUQuota``, ``MemoryMax``, ``MemorySwapMax``, ``TasksMax``,
-``RuntimeMaxSec``, ``KillMode=control-group``), how the sandbox's stdio reaches the
-worker (``--pipe``: the service inherits the worker's pipes, so the result tar stays a
-bounded pipe the worker reads, never a file on the host), and the figures read back
-with ``systemctl --user show``.
+``RuntimeMaxSec``, ``KillMode=control-group``), how the sandbox's argv reaches the unit
+unexpanded, how the sandbox's stdio reaches the worker (``--pipe``: the service
+inherits the worker's pipes, so the result tar stays a bounded pipe the worker reads,
+never a file on the host), and the figures read back: the manager's own properties
+(``systemctl --user show``) where it has them, else the unit's own cgroup files.
 
-Trusts the user manager that answers on this host. The service's own environment comes
-from that manager, so the command is wrapped in ``env -i`` to hand bwrap only PATH.
-``systemd-run --wait`` pins the unit only while it runs: a unit that ended cleanly may
-be collected before ``show`` reads it, in which case its figures are recorded as not
-reported (a failed unit stays loaded until reset-failed).
+Works with systemd 252 and later (Debian 12 and RHEL 9 ship 252). Two things differ
+across those versions, and neither is left to the version number:
+
+* ``systemd-run --expand-environment=no`` exists only from 254. The manager expands
+  ``$NAME`` and ``${NAME}`` in a unit's command line, so every ``$`` of the argv is
+  written ``$$``, the unit syntax's literal dollar, on every version. Nothing else of
+  the argv is interpreted: systemd-run sends it to the manager as a list of strings
+  (specifiers are expanded only in unit files, never in a transient unit's argv), and
+  the one word it looks at, the executable, is the absolute path of ``env``.
+* ``MemoryPeak`` and ``OOMKills`` are unit properties only in newer managers (neither
+  is in 252 or 254), and a unit's cgroup is removed as soon as it stops. So an
+  ``ExecStopPost=`` collector, run by the manager in the unit's own cgroup after its
+  processes ended (by themselves, by the OOM killer or by a kill), copies
+  ``memory.peak``, ``memory.events`` and ``cpu.stat`` of that cgroup, with the result
+  the manager hands it (``$SERVICE_RESULT``), into a private file of the worker. A
+  figure the manager reports is taken from the manager; any other from that file;
+  ``sources`` says which, per figure.
+
+Trusts the user manager that answers on this host, and the collector it runs as the
+worker's own uid outside the sandbox (the organism never sees the file or its
+directory). The service's own environment comes from that manager, so the command is
+wrapped in ``env -i`` to hand bwrap only PATH.
 """
 
 from __future__ import annotations
@@ -19,16 +37,54 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
-from worker.instrument.ceilings.base import Ceiling, CeilingError, Enclosure, Figures, scope_name
+from worker.instrument.ceilings.base import (
+    KILL_RESULTS,
+    Ceiling,
+    CeilingError,
+    Enclosure,
+    Figures,
+    KillCause,
+    scope_name,
+)
 from worker.instrument.physics import Physics
 
-# --expand-environment=no first appeared in systemd 254; without it the manager would
-# expand "$" in the sandbox's argv.
-MIN_VERSION = 254
-SHOWN = ("Result", "ExecMainCode", "ExecMainStatus", "CPUUsageNSec", "MemoryPeak", "OOMKills")
+# The oldest manager this driver supports (Debian 12, RHEL 9): it needs neither
+# --expand-environment (254) nor the MemoryPeak/OOMKills properties (255+). So far it
+# has run against the stand-ins in tests/standins/ only, not a booted manager.
+MIN_VERSION = 252
+SHOWN = ("Result", "CPUUsageNSec", "MemoryPeak", "OOMKills")
 _QUERY_TIMEOUT_SECONDS = 30
 _UNSET = {"", "[not set]", "infinity", str(2**64 - 1)}
+# Runs as the ExecStopPost= of every unit, in the unit's cgroup, after its processes
+# ended; $1 is the file to write. Its own few milliseconds of CPU are in cpu.stat,
+# which the manager's CPUUsageNSec (preferred when reported) leaves out.
+COLLECTOR = """\
+PATH=/usr/bin:/bin
+cgroup=$(sed -n 's/^0:://p' /proc/self/cgroup)
+{
+  echo "cgroup $cgroup"
+  echo "service_result ${SERVICE_RESULT:-}"
+  for file in memory.peak memory.events cpu.stat; do
+    if [ -r "/sys/fs/cgroup$cgroup/$file" ]; then
+      sed "s|^|$file |" "/sys/fs/cgroup$cgroup/$file"
+    fi
+  done
+} >"$1.part" && mv "$1.part" "$1"
+"""
+# A path the unit's -p ExecStopPost= line carries verbatim (no quoting, $ or %).
+_PLAIN_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
+
+
+def unit_argv(argv: list[str]) -> list[str]:
+    """``argv`` written so that the manager's command-line expansion gives it back verbatim.
+
+    The manager replaces ``$NAME`` and ``${NAME}`` (and splits an unbraced ``$NAME``
+    that stands alone into words); ``$$`` is its literal ``$``.
+    """
+    return [word.replace("$", "$$") for word in argv]
 
 
 def _systemd_size(value: int) -> str:
@@ -48,7 +104,16 @@ class SystemdEnclosure(Enclosure):
         self._ceiling = ceiling
         self._physics = physics
         self.unit = unit
+        self._cause: KillCause | None = None
         self._closed = False
+        # Private to the worker's uid: the collector writes the unit's figures here.
+        self.figures_dir = Path(tempfile.mkdtemp(prefix="ouroboros-unit-"))
+        self._collector = self.figures_dir / "collect.sh"
+        self._collector.write_text(COLLECTOR)
+        self.figures_file = self.figures_dir / "figures"
+        if not _PLAIN_PATH.match(str(self.figures_dir)):
+            self._remove_figures_dir()
+            raise CeilingError(f"{self.figures_dir} cannot be written on a unit's command line")
 
     def command(self, argv: list[str]) -> list[str]:
         physics = self._physics
@@ -59,6 +124,7 @@ class SystemdEnclosure(Enclosure):
             f"TasksMax={physics.tasks_max}",
             f"RuntimeMaxSec={physics.wall_seconds}",
             "KillMode=control-group",
+            f"ExecStopPost=/bin/sh {self._collector} {self.figures_file}",
         ]
         return [
             *self._ceiling.client_prefix(),
@@ -68,45 +134,84 @@ class SystemdEnclosure(Enclosure):
             "--wait",
             "--pipe",
             "--quiet",
-            "--expand-environment=no",
             *(item for p in properties for item in ("-p", p)),
             "--",
-            self._ceiling.env,
-            "-i",
-            "PATH=/usr/bin:/bin",
-            *argv,
+            *unit_argv([self._ceiling.env, "-i", "PATH=/usr/bin:/bin", *argv]),
         ]
 
-    def kill(self) -> None:
+    def kill(self, cause: KillCause | None = None) -> None:
+        # The first cause stands: the sweep that follows a wall-time kill does not undo it.
+        self._cause = self._cause or cause
         self._ceiling.systemctl("kill", "--signal=SIGKILL", self.unit)
 
     def figures(self) -> Figures:
         shown = self._ceiling.systemctl("show", self.unit, "-p", ",".join(SHOWN), check=True)
-        values = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+        manager = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+        collected = self._collected()
+        cgroup = collected.pop("cgroup", "")
+        sources: dict[str, str] = {}
 
-        def number(key: str) -> int | None:
-            value = values.get(key, "")
-            return None if value in _UNSET else int(value)
+        def figure(name: str, prop: str, file_key: str, scale: int = 1) -> int | None:
+            value = manager.get(prop)
+            if value is not None and value not in _UNSET:
+                sources[name] = f"systemd:{prop}"
+                return int(value)
+            if file_key in collected:
+                sources[name] = f"cgroup2:{file_key} of the unit's cgroup {cgroup}"
+                try:
+                    return int(collected[file_key]) * scale
+                except ValueError as exc:
+                    raise CeilingError(f"{self.figures_file}: {file_key} is not a number") from exc
+            reported = "not set" if value is not None else "not reported by this systemd"
+            sources[name] = f"systemd:{prop} {reported}, and no cgroup2:{file_key}"
+            return None
 
-        def source(key: str) -> str:
-            value = values.get(key)
-            if value is None:
-                return f"systemd:{key} not reported by this systemd"
-            return f"systemd:{key} not set" if value in _UNSET else f"systemd:{key}"
-
+        cpu = figure("cpu_usage_nsec", "CPUUsageNSec", "cpu.stat usage_usec", 1000)
+        peak = figure("memory_peak_bytes", "MemoryPeak", "memory.peak")
+        oom_kills = figure("oom_kills", "OOMKills", "memory.events oom_kill")
+        result = collected.get("service_result") or manager.get("Result") or "unknown"
+        sources["result"] = (
+            "systemd:$SERVICE_RESULT at ExecStopPost"
+            if collected.get("service_result")
+            else "systemd:Result"
+        )
+        # An OOM kill wins, as in cgroupfs_result: the kill it caused may have ended the life.
+        if self._cause and result != "oom-kill" and not oom_kills:
+            result = KILL_RESULTS[self._cause]
+            sources["result"] = "the worker's kill (wall time or result overflow)"
         return Figures(
             driver="systemd",
-            result=values.get("Result") or "unknown",
-            cpu_usage_nsec=number("CPUUsageNSec"),
-            memory_peak_bytes=number("MemoryPeak"),
-            oom_kills=number("OOMKills") or 0,
-            sources={
-                "result": source("Result"),
-                "cpu_usage_nsec": source("CPUUsageNSec"),
-                "memory_peak_bytes": source("MemoryPeak"),
-                "oom_kills": source("OOMKills"),
-            },
+            result=result,
+            cpu_usage_nsec=cpu,
+            memory_peak_bytes=peak,
+            oom_kills=oom_kills or 0,
+            sources=sources,
         )
+
+    def _collected(self) -> dict[str, str]:
+        """The collector's file as ``{"memory.events oom_kill": "1", ...}``; empty if none.
+
+        A unit that never started (the manager refused it) has no collector run.
+        """
+        try:
+            text = self.figures_file.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise CeilingError(f"cannot read {self.figures_file}: {exc}") from exc
+        found: dict[str, str] = {}
+        for line in text.splitlines():
+            match line.split():
+                case ["cgroup" | "service_result" as key, *rest]:
+                    found[key] = " ".join(rest)
+                case ["memory.peak", value]:
+                    found["memory.peak"] = value
+                case [file, key, value]:
+                    found[f"{file} {key}"] = value
+        cgroup = found.get("cgroup", "")
+        if cgroup and not cgroup.endswith(f"/{self.unit}"):
+            raise CeilingError(f"the collector of {self.unit} ran in another cgroup, {cgroup}")
+        return found
 
     def close(self) -> None:
         if self._closed:
@@ -114,7 +219,11 @@ class SystemdEnclosure(Enclosure):
         # Either may find the unit already gone; that is the state close() wants.
         self._ceiling.systemctl("stop", self.unit)
         self._ceiling.systemctl("reset-failed", self.unit)
+        self._remove_figures_dir()
         self._closed = True
+
+    def _remove_figures_dir(self) -> None:
+        shutil.rmtree(self.figures_dir, ignore_errors=True)
 
 
 class SystemdCeiling(Ceiling):
@@ -176,7 +285,7 @@ class SystemdCeiling(Ceiling):
         match = re.match(r"systemd (\d+)", version)
         if not match or int(match.group(1)) < MIN_VERSION:
             found = match.group(1) if match else "unknown"
-            return f"systemd-run is version {found}; --expand-environment=no needs {MIN_VERSION}+"
+            return f"systemd-run is version {found}; this driver needs {MIN_VERSION}+"
         return None
 
     def open(self, physics: Physics, label: str) -> SystemdEnclosure:
