@@ -14,8 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 from lineage_support import free_port
+from served import stop, wait_until_answering
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
@@ -82,30 +81,12 @@ def s3_endpoint(
             stderr=subprocess.STDOUT,
         )
     try:
-        _wait_until_answering(url, server, log_path)
+        wait_until_answering(
+            f"{url}/moto-api/", server, log_path, name="moto_server", seconds=MOTO_START_SECONDS
+        )
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _wait_until_answering(url: str, server: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + MOTO_START_SECONDS
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"moto_server exited with {server.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/moto-api/", timeout=1):
-                return
-        except urllib.error.HTTPError:
-            return  # any HTTP answer means it serves
-        except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"moto_server did not answer on {url} within {MOTO_START_SECONDS} s")
+        stop(server, seconds=10)
 
 
 @pytest.fixture

@@ -21,9 +21,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 from lineage_support import SMALL_PHYSICS, Fleet, free_port
+from served import stop, wait_until_answering
 
 from worker.fleet.settings import Settings
 from worker.instrument.model.ledger import FRAMING_TOKENS
@@ -123,28 +121,12 @@ def litellm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_until_alive(url, server, log_path)
+        wait_until_answering(
+            f"{url}/health/liveliness", server, log_path, name="litellm", seconds=START_SECONDS
+        )
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _wait_until_alive(url: str, server: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + START_SECONDS
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"litellm exited with {server.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/health/liveliness", timeout=2):
-                return
-        except (OSError, urllib.error.URLError):
-            time.sleep(0.5)
-    pytest.fail(f"litellm did not answer on {url} in {START_SECONDS} s:\n{log_path.read_text()}")
+        stop(server, seconds=20)
 
 
 @pytest.fixture(autouse=True)
