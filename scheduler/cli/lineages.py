@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
 from scheduler.cli.common import USD, load_settings
-from scheduler.follow import describe, watch
+from scheduler.follow import NoWorker, describe, watch
 from scheduler.output import console, warn
 from scheduler.status import Fleet
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
@@ -137,6 +138,8 @@ def run(
     metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
     for meta in metas.values():
         planner.require_deliverable(meta)
+    # The broker's answer takes a second: ask while the runs are recorded and enqueued.
+    asking = ThreadPoolExecutor(1).submit(fleet.workers)
     for name, head in heads.items():
         physics = metas[name].physics
         budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
@@ -147,12 +150,22 @@ def run(
             f"budget ${record.budget_usd}, {provider}",
             highlight=False,
         )
-    if follow or wait:
-        final = watch(fleet, list(names), console, show=follow)
-        for status in final:
-            console.print(describe(status), highlight=False)
-        if any(status.blocked for status in final):
-            sys.exit(1)
+    if not (follow or wait):
+        workers = asking.result()
+        for meta in metas.values():
+            waiting = fleet.waiting(meta, workers)
+            if waiting:
+                warn("note", waiting)
+        return
+    try:
+        final = watch(fleet, list(names), console, follow, settings.worker_wait_seconds)
+    except NoWorker as exc:
+        warn("giving up", exc)
+        sys.exit(1)
+    for status in final:
+        console.print(describe(status), highlight=False)
+    if any(status.blocked for status in final):
+        sys.exit(1)
 
 
 def run_local(

@@ -25,6 +25,7 @@ from scheduler.reader import NotFound, Reader
 from scheduler.web import api, pages
 from scheduler.web.render import templates
 from scheduler.web.workers import WorkersProvider, live_workers, remembered
+from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import package_version
 from worker.instrument.store import StoreUnavailable
 
@@ -39,7 +40,9 @@ SECURITY_HEADERS = {
 }
 
 
-def create_app(reader: Reader, workers: WorkersProvider | None = None) -> FastAPI:
+def create_app(
+    reader: Reader, workers: WorkersProvider | None = None, settings: Settings | None = None
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Read every lineage's history once at start, in the background, so that the
@@ -58,6 +61,8 @@ def create_app(reader: Reader, workers: WorkersProvider | None = None) -> FastAP
     )
     app.state.reader = reader
     app.state.workers = workers or remembered(live_workers)
+    # Only for advice (the command that starts a worker); None when built without settings.
+    app.state.settings = settings
     app.include_router(api.router)
     app.include_router(pages.router)
 
