@@ -14,7 +14,7 @@ Trusts: the reader and the provider it is given.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -80,7 +80,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _error(request, exc.status_code, str(exc.detail))
+        # Starlette's headers travel on (a 405's Allow names the methods the path takes).
+        return _error(request, exc.status_code, str(exc.detail), exc.headers)
 
     @app.exception_handler(StoreUnavailable)
     async def store_down(request: Request, exc: StoreUnavailable) -> Response:
@@ -96,9 +97,15 @@ def _warm(reader: Reader) -> None:
         return
 
 
-def _error(request: Request, status: int, message: str) -> Response:
+def _error(
+    request: Request, status: int, message: str, headers: Mapping[str, str] | None = None
+) -> Response:
     if request.url.path.startswith("/api/"):
-        return JSONResponse({"detail": message}, status_code=status)
+        return JSONResponse({"detail": message}, status_code=status, headers=headers)
     return templates.TemplateResponse(
-        request, "error.html", {"status": status, "message": message}, status_code=status
+        request,
+        "error.html",
+        {"status": status, "message": message},
+        status_code=status,
+        headers=headers,
     )
