@@ -1,6 +1,7 @@
 """The web application: FastAPI app factory, error mapping and response headers.
 
-Owns assembling the browsing app from a ``Reader`` and a live-workers provider,
+Owns assembling the browsing app from a ``Reader``, a live-workers provider and
+the settings (for ``/metrics``, ``scheduler.web.metrics``, and for advice),
 the mapping of "no such lineage or generation" (including malformed names and
 numbers) to 404 and of an unreachable store to 503, and the headers every response
 carries: a Content-Security-Policy that allows no script at all (the UI needs none,
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.reader import NotFound, Reader
-from scheduler.web import api, pages
+from scheduler.web import api, metrics, pages
 from scheduler.web.render import templates
 from scheduler.web.workers import WorkersProvider, live_workers, remembered
 from worker.fleet.settings import Settings
@@ -61,9 +62,11 @@ def create_app(
     )
     app.state.reader = reader
     app.state.workers = workers or remembered(live_workers)
-    # Only for advice (the command that starts a worker); None when built without settings.
+    # For advice (the command that starts a worker) and the broker's metrics; may be None.
     app.state.settings = settings
+    app.state.metrics = metrics.registry_for(reader, app.state.workers, settings)
     app.include_router(api.router)
+    app.include_router(metrics.router)
     app.include_router(pages.router)
 
     @app.middleware("http")
