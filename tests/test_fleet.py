@@ -63,14 +63,6 @@ def fleet(tmp_path: Path, redis_url: str) -> Fleet:
     )
 
 
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for worker in started:
-        worker.stop()
-
-
 def start(fleet: Fleet, workers: list[Worker], name: str, *extra_args: str, **env: str) -> Worker:
     worker = Worker(fleet, name, *extra_args, **env)
     workers.append(worker)

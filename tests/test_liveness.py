@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lineage_support import Fleet, Worker, copy_instrument, wait_for
+from browse_support import Served
+from lineage_support import Fleet, Worker, copy_instrument, free_port, wait_for
 
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
@@ -39,14 +40,6 @@ def newcomer(tmp_path: Path) -> Iterator[Fleet]:
     del fleet.env["OUROBOROS_HOME"]  # ./.ouroboros in the working directory, as a newcomer has
     yield fleet
     embedded_redis.stop(Settings(home=tmp_path / ".ouroboros"))
-
-
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for worker in started:
-        worker.stop()
 
 
 class Follower:
@@ -140,9 +133,19 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
     )
     assert (rows["ok"]["workers"], rows["ok"]["waiting_for_instrument"]) == ([], False)
 
+    served = Served(fleet, tmp_path / "serve.log")
     follower = Follower(fleet, "run", "ok", "--generations", "1", "--follow")
     try:
         follower.said(f"ok: waiting: no live worker serves queue {queue}", SAY_WITHIN_SECONDS)
+        [wait] = served.get("/api/").json()["waiting"]
+        assert (wait["queue"], wait["lineages"], wait["elsewhere"]) == (
+            queue,
+            ["ok", "patient"],
+            [],
+        )
+        assert "-A worker worker" in wait["advice"]
+        page = served.get("/").text
+        assert "Waiting for a worker" in page and queue in page
 
         stranger = Worker(fleet, "stranger", PYTHONPATH=str(other_instrument(tmp_path)))
         workers.append(stranger)
@@ -152,13 +155,20 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
         assert "1 live worker serves another instrument (stranger@" in other
         row = json.loads(fleet.ok("status", "ok", "--json").stdout)[0]
         assert row["waiting_for_instrument"] and "stranger@" in row["waiting"]
+        elsewhere = wait_for(
+            lambda: served.get("/api/").json()["waiting"][0]["elsewhere"], 30, "the overview"
+        )
+        assert elsewhere[0]["hostname"].startswith("stranger@")
+        assert "Live workers serve other instruments instead" in served.get("/").text
 
         helper = Worker(fleet, "helper")
         workers.append(helper)
         helper.wait_ready()
         follower.said(f"ok: queue {queue} is now served by helper@", 60)
         assert follower.finish(300) == 0, "\n".join(follower.lines)
+        assert wait_for(lambda: not served.get("/api/").json()["waiting"], 30, "no more waits")
     finally:
+        served.stop()
         if follower.process.poll() is None:
             follower.process.kill()
     print("\n".join(follower.lines))
@@ -168,3 +178,25 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
     assert (row["stopped"], row["waiting_for_instrument"]) == ("target reached", False)
     assert any(w.startswith("helper@") for w in row["workers"])
     assert "Traceback" not in stranger.text() + helper.text()
+
+
+def test_doctor_names_a_broken_broker_in_words(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    brokers = {
+        f"redis://127.0.0.1:{free_port()}/0": "refused the connection: nothing listens there",
+        "redis://broker.invalid:6379/0": "names a host that does not resolve",
+        f"redis+socket://{tmp_path}/absent.sock": (
+            "has no socket at that path: nothing listens there"
+        ),
+    }
+    for url, words in brokers.items():
+        result = fleet.cli("doctor", "--json", OUROBOROS_BROKER_URL=url)
+        assert result.returncode == 1, result.stderr
+        [broker] = [c for c in json.loads(result.stdout) if c["name"] == "broker"]
+        assert broker == {
+            "name": "broker",
+            "ok": False,
+            "detail": f"{url} {words}",
+            "essential": True,
+        }
+        assert "Error" not in result.stdout + result.stderr

@@ -135,6 +135,12 @@ class Tally:
             self.queue_wait.add(max(0.0, wait))
 
 
+def _per_lineage(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, documentation: str
+) -> CounterMetricFamily | GaugeMetricFamily:
+    return kind(name, documentation, labels=["lineage"])
+
+
 class FleetCollector(Collector):
     """Gathers the fleet's metrics from the reader, the broker and the live workers."""
 
@@ -181,41 +187,41 @@ class FleetCollector(Collector):
             "Observed generations of a lineage, by outcome.",
             labels=["lineage", "outcome"],
         )
-        deaths = CounterMetricFamily(
-            "ouroboros_lineage_deaths", "Observed deaths of a lineage.", labels=["lineage"]
+        deaths = _per_lineage(
+            CounterMetricFamily, "ouroboros_lineage_deaths", "Observed deaths of a lineage."
         )
-        spent = CounterMetricFamily(
+        spent = _per_lineage(
+            CounterMetricFamily,
             "ouroboros_lineage_spent_usd",
             "Dollars spent on model calls by a lineage's observed generations.",
-            labels=["lineage"],
         )
-        calls = CounterMetricFamily(
+        calls = _per_lineage(
+            CounterMetricFamily,
             "ouroboros_lineage_model_calls",
             "Model calls made by a lineage's observed generations.",
-            labels=["lineage"],
         )
-        budget = GaugeMetricFamily(
+        budget = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_run_budget_usd",
             "The budget of the lineage's latest run.",
-            labels=["lineage"],
         )
-        run_spent = GaugeMetricFamily(
+        run_spent = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_run_spent_usd",
             "Dollars spent so far by the lineage's latest run.",
-            labels=["lineage"],
         )
-        run_left = GaugeMetricFamily(
+        run_left = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_run_remaining_generations",
             "Generations the lineage's latest run still wants (0 once it stopped).",
-            labels=["lineage"],
         )
-        backlog = GaugeMetricFamily(
+        backlog = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_observation_backlog",
             "Generations committed whose observation is not stored yet (in a worker's spool).",
-            labels=["lineage"],
         )
-        head = GaugeMetricFamily(
-            "ouroboros_lineage_generation", "The lineage's latest generation.", labels=["lineage"]
+        head = _per_lineage(
+            GaugeMetricFamily, "ouroboros_lineage_generation", "The lineage's latest generation."
         )
         fleet = Counter[str]()
         fleet_deaths = fleet_spent = fleet_budget = 0.0
@@ -340,10 +346,10 @@ class FleetCollector(Collector):
             "Live workers consuming each queue (Celery control broadcast).",
             labels=["queue"],
         )
-        waiting = GaugeMetricFamily(
+        waiting = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_waiting_for_worker",
             "1 while the lineage's run wants more and no live worker serves its queue.",
-            labels=["lineage"],
         )
         if workers is not None and workers.reachable:
             for queue in sorted(queues):
@@ -378,20 +384,20 @@ class FleetCollector(Collector):
 
     def _markers(self, settings: Settings, lineages: list[LineageSummary]) -> list[Metric]:
         client = leases.redis_client(settings)
-        in_flight = GaugeMetricFamily(
+        in_flight = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_in_flight",
             "1 while a job of the lineage is queued or running.",
-            labels=["lineage"],
         )
-        running = GaugeMetricFamily(
+        running = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_running",
             "1 while a worker holds the lineage's lease (a life is running).",
-            labels=["lineage"],
         )
-        blocked = GaugeMetricFamily(
+        blocked = _per_lineage(
+            GaugeMetricFamily,
             "ouroboros_lineage_blocked",
             "1 while the lineage is blocked (see schedule-lineage status for why).",
-            labels=["lineage"],
         )
         counts = Counter[str]()
         for lineage in lineages:
