@@ -11,6 +11,7 @@ a silent hang. The run itself is untouched by giving up: it stays queued.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from rich.console import Console
@@ -60,13 +61,13 @@ def watch(
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
-        disable=not show,
     )
     workers = fleet.workers()
     checked = time.monotonic()
     unserved_since: dict[str, float] = {}
     said: dict[str, str] = {}
-    with progress:
+    # Quiet (--wait): the display is never started, so it prints nothing, not even its end.
+    with progress if show else contextlib.nullcontext():
         tasks = {}
         while True:
             statuses = [fleet.status(name, workers) for name in names]
