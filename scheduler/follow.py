@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from scheduler.liveness import served_line
+from scheduler.liveness import Workers, served_line
 from scheduler.status import Fleet, LineageStatus
 
 POLL_SECONDS = 1.0
@@ -48,10 +48,16 @@ def describe(status: LineageStatus) -> str:
 
 
 def watch(
-    fleet: Fleet, names: list[str], console: Console, show: bool, give_up_after: float
+    fleet: Fleet,
+    names: list[str],
+    console: Console,
+    show: bool,
+    give_up_after: float,
+    workers: Workers | None = None,
 ) -> list[LineageStatus]:
     """Poll until every named lineage's run has stopped or is blocked; the final statuses.
 
+    ``workers`` is a fresh answer the caller already has (else the broker is asked).
     Raises NoWorker when a lineage has waited ``give_up_after`` seconds with no live
     worker serving its queue.
     """
@@ -62,7 +68,7 @@ def watch(
         TimeElapsedColumn(),
         console=console,
     )
-    workers = fleet.workers()
+    workers = workers if workers is not None else fleet.workers()
     checked = time.monotonic()
     unserved_since: dict[str, float] = {}
     said: dict[str, str] = {}

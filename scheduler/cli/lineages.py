@@ -139,7 +139,8 @@ def run(
     for meta in metas.values():
         planner.require_deliverable(meta)
     # The broker's answer takes a second: ask while the runs are recorded and enqueued.
-    asking = ThreadPoolExecutor(1).submit(fleet.workers)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ask-workers")
+    asking = pool.submit(fleet.workers)
     for name, head in heads.items():
         physics = metas[name].physics
         budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
@@ -150,15 +151,16 @@ def run(
             f"budget ${record.budget_usd}, {provider}",
             highlight=False,
         )
+    workers = asking.result()
+    pool.shutdown()
     if not (follow or wait):
-        workers = asking.result()
         for meta in metas.values():
             waiting = fleet.waiting(meta, workers)
             if waiting:
                 warn("note", waiting)
         return
     try:
-        final = watch(fleet, list(names), console, follow, settings.worker_wait_seconds)
+        final = watch(fleet, list(names), console, follow, settings.worker_wait_seconds, workers)
     except NoWorker as exc:
         warn("giving up", exc)
         sys.exit(1)
