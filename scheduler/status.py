@@ -51,6 +51,8 @@ class LineageStatus(BaseModel):
     instrument_fingerprint: str | None
     # Hostnames of the live workers consuming ``queue``; None when the broker did not answer.
     workers: list[str] | None
+    # Hostnames of live workers serving other instruments' queues and not ``queue``.
+    other_instrument_workers: list[str]
     waiting_for_instrument: bool
     # Why the run does not advance and how to make it, when no live worker serves ``queue``.
     waiting: str | None
@@ -132,6 +134,9 @@ class Fleet:
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
             workers=workers.serving(queue) if queue and workers.reachable else None,
+            other_instrument_workers=[w.hostname for w in workers.elsewhere(queue)]
+            if queue
+            else [],
             waiting_for_instrument=waiting is not None,
             waiting=waiting,
         )

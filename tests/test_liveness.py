@@ -155,6 +155,8 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
         assert "1 live worker serves another instrument (stranger@" in other
         row = json.loads(fleet.ok("status", "ok", "--json").stdout)[0]
         assert row["waiting_for_instrument"] and "stranger@" in row["waiting"]
+        assert [w.split("@")[0] for w in row["other_instrument_workers"]] == ["stranger"]
+        assert "waiting for its instrument" in fleet.ok("status", "ok", COLUMNS="400").stdout
         elsewhere = wait_for(
             lambda: served.get("/api/").json()["waiting"][0]["elsewhere"], 30, "the overview"
         )

@@ -37,6 +37,8 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
             state = "imported (browse only)"
         if row.waiting_for_instrument:
             state = f"waiting: no live worker serves {row.queue}"
+            if row.other_instrument_workers:
+                state = f"waiting for its instrument: {row.queue} unserved (other instruments live)"
         elif row.workers and row.in_flight:
             state += f" (served by {', '.join(row.workers)})"
         table.add_row(
