@@ -70,13 +70,33 @@ class Workers(BaseModel):
 UNREACHABLE = Workers(reachable=False, workers=[])
 
 
-def ask(app: Celery, timeout: float = INSPECT_TIMEOUT_SECONDS) -> Workers:
+class _Enough(Exception):
+    """Raised from a reply callback to stop waiting: the caller has the answer it needs."""
+
+
+def ask(
+    app: Celery, timeout: float = INSPECT_TIMEOUT_SECONDS, until_served: set[str] | None = None
+) -> Workers:
     """The live workers and their queues, asked through ``app``'s broker.
 
-    The broadcast runs in a daemon thread joined with a deadline: a broker that
-    accepts the connection and then never answers costs the caller a bounded wait.
+    The broadcast waits its whole timeout, unless ``until_served`` names queues: then
+    it stops at the first moment every one of them has a live worker (the answer
+    then lists only the workers that replied by then). It runs in a daemon thread
+    joined with a deadline: a broker that accepts the connection and then never
+    answers costs the caller a bounded wait.
     """
-    found: list[Workers] = []
+    found: list[LiveWorker] = []
+    answered: list[bool] = []
+
+    def reply(body: object) -> None:
+        if not isinstance(body, dict):
+            return  # a reply of another shape is no evidence of any worker
+        for hostname, queues in body.items():
+            listed = queues if isinstance(queues, list) else []
+            names = [str(q["name"]) for q in listed if isinstance(q, dict) and "name" in q]
+            found.append(LiveWorker(hostname=str(hostname), queues=sorted(names)))
+        if until_served and until_served <= {q for w in found for q in w.queues}:
+            raise _Enough
 
     def inspect() -> None:
         try:
@@ -84,23 +104,21 @@ def ask(app: Celery, timeout: float = INSPECT_TIMEOUT_SECONDS) -> Workers:
                 connection.ensure_connection(
                     max_retries=1, interval_start=0, interval_step=0, timeout=timeout
                 )
-                replies = app.control.inspect(
-                    timeout=timeout, connection=connection
+                app.control.inspect(
+                    timeout=timeout, connection=connection, callback=reply
                 ).active_queues()
+        except _Enough:
+            pass
         except Exception:  # any failure to ask is "unknown", never "no worker"
             return
-        workers = []
-        for hostname, queues in (replies or {}).items():
-            names = sorted(
-                str(q["name"]) for q in queues or [] if isinstance(q, dict) and "name" in q
-            )
-            workers.append(LiveWorker(hostname=str(hostname), queues=names))
-        found.append(Workers(reachable=True, workers=sorted(workers, key=lambda w: w.hostname)))
+        answered.append(True)
 
     thread = threading.Thread(target=inspect, name="inspect-workers", daemon=True)
     thread.start()
     thread.join(timeout * 2 + 0.5)
-    return found[0] if found else UNREACHABLE
+    if not answered:
+        return UNREACHABLE
+    return Workers(reachable=True, workers=sorted(found, key=lambda w: w.hostname))
 
 
 def start_command(settings: Settings | None) -> str:

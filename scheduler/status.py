@@ -79,9 +79,12 @@ class Fleet:
             send=sender(self.app),
         )
 
-    def workers(self) -> Workers:
-        """The live workers and the queues they serve, as the broker reports them now."""
-        return ask(self.app)
+    def workers(self, until_served: set[str] | None = None) -> Workers:
+        """The live workers and the queues they serve, as the broker reports them now.
+
+        With ``until_served``, the answer comes as soon as all those queues are served.
+        """
+        return ask(self.app, until_served=until_served)
 
     def waiting(self, meta: LineageMetadata, workers: Workers) -> str | None:
         """What a user is told while no live worker serves ``meta``'s queue; else None."""

@@ -22,7 +22,7 @@ from scheduler.follow import NoWorker, describe, watch
 from scheduler.output import console, warn
 from scheduler.status import Fleet
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
-from worker.fleet.runs import job_of
+from worker.fleet.runs import job_of, queue_of
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
@@ -138,9 +138,10 @@ def run(
     metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
     for meta in metas.values():
         planner.require_deliverable(meta)
-    # The broker's answer takes a second: ask while the runs are recorded and enqueued.
+    # Whether live workers serve these queues: asked while the runs are recorded and
+    # enqueued, and answered as soon as they all are (a second when one is not).
     pool = ThreadPoolExecutor(1, thread_name_prefix="ask-workers")
-    asking = pool.submit(fleet.workers)
+    asking = pool.submit(fleet.workers, {queue_of(meta) for meta in metas.values()})
     for name, head in heads.items():
         physics = metas[name].physics
         budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
