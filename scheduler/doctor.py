@@ -1,20 +1,26 @@
 """``schedule-lineage doctor``: what this host has and lacks for the fleet.
 
 Owns the list of host checks (bwrap, emacs, git, the ceiling driver's preflight, the
-broker, the shared repository, the observation store, provider keys). A provider key
+broker, the shared repository, the observation store, provider keys). The broker's
+is told in words: an embedded broker that is not running is fine (it starts on
+demand), distinct from a configured broker that is refused, unreachable or unnamed;
+no client error text is shown. A provider key
 check reports only whether a key is present and where it would be read from, never
 its value.
 """
 
 from __future__ import annotations
 
+import errno
 import shutil
+import socket
 import subprocess
 from collections.abc import Callable
 
+import redis
 from pydantic import BaseModel
 
-from worker.fleet import leases
+from worker.fleet import embedded_redis, leases
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.settings import Settings
 from worker.instrument.ceilings import select_ceiling
@@ -60,14 +66,7 @@ def checks(settings: Settings) -> list[Check]:
                 + (f" (scopes under {settings.cgroup_parent})" if settings.cgroup_parent else "")
             ),
         ),
-        _attempt(
-            "broker",
-            lambda: (
-                f"{_redacted(settings.broker)} answers"
-                if leases.redis_client(settings).ping()
-                else "no answer"
-            ),
-        ),
+        _broker(settings),
         _attempt(
             "repository",
             lambda: (
@@ -89,6 +88,64 @@ def checks(settings: Settings) -> list[Check]:
             ).model_copy(update={"essential": False})
         )
     return results
+
+
+def _broker(settings: Settings) -> Check:
+    """The broker, in words: embedded and idle is fine (it starts on demand); broken is not."""
+    if not settings.broker_url:
+        if embedded_redis.running(settings):
+            return Check(
+                name="broker", ok=True, detail=f"embedded Redis at {settings.redis_socket} answers"
+            )
+        server = shutil.which("redis-server")
+        if server is None:
+            return Check(
+                name="broker",
+                ok=False,
+                detail="embedded broker cannot start: redis-server is not installed; run "
+                "scripts/setup.sh or set OUROBOROS_BROKER_URL",
+            )
+        return Check(
+            name="broker",
+            ok=True,
+            detail=f"embedded broker not running (it starts on demand, with {server}, "
+            f"at the first run, status or worker; socket {settings.redis_socket})",
+        )
+    where = _redacted(settings.broker)
+    try:
+        leases.redis_client(settings).ping()
+    except redis.AuthenticationError:
+        problem = "refused the credentials in OUROBOROS_BROKER_URL"
+    except redis.ResponseError as exc:
+        problem = f"answered with an error ({str(exc).split()[0] if str(exc) else 'unknown'})"
+    except redis.TimeoutError:
+        problem = "did not answer in time (a firewall, or an overloaded server)"
+    except (redis.ConnectionError, OSError) as exc:
+        problem = _unreachable(exc)
+    else:
+        return Check(name="broker", ok=True, detail=f"{where} answers")
+    return Check(name="broker", ok=False, detail=f"{where} {problem}")
+
+
+def _unreachable(exc: BaseException) -> str:
+    """Why a connection failed, in words, from the operating system's error under it."""
+    cause: BaseException | None = exc
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__ or cause.__context__
+    code = cause.errno if isinstance(cause, OSError) else None
+    reasons = {
+        errno.ECONNREFUSED: "refused the connection: nothing listens there",
+        errno.ENOENT: "has no socket at that path: nothing listens there",
+        errno.EACCES: "may not be opened by this user (permission denied)",
+        errno.EHOSTUNREACH: "is unreachable: no route to the host",
+        errno.ENETUNREACH: "is unreachable: no route to the network",
+        errno.ETIMEDOUT: "did not answer in time (a firewall, or a host that is down)",
+    }
+    if code in reasons:
+        return reasons[code]
+    if isinstance(cause, socket.gaierror):
+        return "names a host that does not resolve"
+    return "cannot be reached"
 
 
 def _absent() -> str:

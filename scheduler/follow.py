@@ -1,46 +1,83 @@
 """Live progress of runs for ``schedule-lineage run --follow`` and ``--wait``.
 
 Owns the polling loop that watches runs until each stops (target reached, budget
-exhausted or cancelled) and the rich progress display: one bar per lineage with its
-outcome counts and spend.
+exhausted or cancelled), the rich progress display (one bar per lineage with its
+outcome counts and spend), and what the loop says about workers: when a lineage's
+queue has no live worker it says so at once (queue, instrument, the command that
+starts one), says again when a worker appears, and gives up (``NoWorker``) once a
+lineage has waited ``OUROBOROS_WORKER_WAIT_SECONDS`` with none, so a wait is never
+a silent hang. The run itself is untouched by giving up: it stays queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from scheduler.liveness import Workers, served_line
 from scheduler.status import Fleet, LineageStatus
 
 POLL_SECONDS = 1.0
-WORKER_CHECK_SECONDS = 15.0
+# How often the broker is asked which queues live workers serve (each ask takes ~1 s).
+WORKER_CHECK_SECONDS = 2.0
+
+
+class NoWorker(Exception):
+    """A watched lineage waited the configured time with no live worker for its queue."""
+
+    def __init__(self, status: LineageStatus, waited: float) -> None:
+        super().__init__(
+            f"no live worker served queue {status.queue} of {status.lineage} for {waited:.0f} s "
+            "(OUROBOROS_WORKER_WAIT_SECONDS); the run stays queued and proceeds when a worker "
+            f"for its instrument starts (see schedule-lineage status {status.lineage})"
+        )
+        self.status = status
 
 
 def describe(status: LineageStatus) -> str:
     counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(status.run_outcomes.items()))
-    state = status.stopped or status.blocked or ("running" if status.in_flight else "queued")
+    state = status.stopped or status.blocked
+    if state is None and status.waiting_for_instrument:
+        state = f"waiting for a worker on {status.queue}"
+    state = state or ("running" if status.in_flight else "queued")
     return f"{status.lineage}: {counts or 'no generations yet'}; ${status.spent_usd} spent; {state}"
 
 
-def watch(fleet: Fleet, names: list[str], console: Console, show: bool) -> list[LineageStatus]:
-    """Poll until every named lineage's run has stopped or is blocked; the final statuses."""
+def watch(
+    fleet: Fleet,
+    names: list[str],
+    console: Console,
+    show: bool,
+    give_up_after: float,
+    workers: Workers | None = None,
+) -> list[LineageStatus]:
+    """Poll until every named lineage's run has stopped or is blocked; the final statuses.
+
+    ``workers`` is a fresh answer the caller already has (else the broker is asked).
+    Raises NoWorker when a lineage has waited ``give_up_after`` seconds with no live
+    worker serving its queue.
+    """
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
-        disable=not show,
     )
-    served = fleet.served_queues()
+    workers = workers if workers is not None else fleet.workers()
     checked = time.monotonic()
-    warned: set[str] = set()
-    with progress:
+    unserved_since: dict[str, float] = {}
+    said: dict[str, str] = {}
+    # Quiet (--wait): the display is never started, so it prints nothing, not even its end.
+    with progress if show else contextlib.nullcontext():
         tasks = {}
         while True:
-            statuses = [fleet.status(name, served) for name in names]
+            statuses = [fleet.status(name, workers) for name in names]
+            now = time.monotonic()
             for status in statuses:
                 if status.lineage not in tasks:
                     # The run's length: its target less the generation it started from.
@@ -49,15 +86,35 @@ def watch(fleet: Fleet, names: list[str], console: Console, show: bool) -> list[
                 progress.update(
                     tasks[status.lineage], completed=status.done, description=describe(status)
                 )
-                if status.waiting_for_instrument and status.lineage not in warned:
-                    warned.add(status.lineage)
-                    console.print(
-                        f"[yellow]{status.lineage}: no live worker serves {status.queue}; "
-                        "start one with the lineage's instrument (celery -A worker worker)[/]"
-                    )
+                _announce(status, said, unserved_since, now, progress.console)
             # A blocked lineage cannot advance until an operator acts: waiting is pointless.
             if all(status.stopped or status.blocked for status in statuses):
                 return statuses
+            for status in statuses:
+                since = unserved_since.get(status.lineage)
+                if since is not None and now - since >= give_up_after:
+                    raise NoWorker(status, now - since)
             time.sleep(POLL_SECONDS)
             if time.monotonic() - checked > WORKER_CHECK_SECONDS:
-                served, checked = fleet.served_queues(), time.monotonic()
+                workers, checked = fleet.workers(), time.monotonic()
+
+
+def _announce(
+    status: LineageStatus,
+    said: dict[str, str],
+    unserved_since: dict[str, float],
+    now: float,
+    console: Console,
+) -> None:
+    """Say when a lineage starts waiting for a worker (or why changes), and when one appears."""
+    if status.waiting:
+        unserved_since.setdefault(status.lineage, now)
+        if said.get(status.lineage) != status.waiting:
+            said[status.lineage] = status.waiting
+            console.print(f"[yellow]{escape(status.waiting)}[/]", highlight=False, soft_wrap=True)
+    elif status.lineage in unserved_since:
+        del unserved_since[status.lineage]
+        said.pop(status.lineage, None)
+        if status.workers:
+            line = served_line(status.lineage, str(status.queue), status.workers)
+            console.print(f"[green]{escape(line)}[/]", highlight=False, soft_wrap=True)

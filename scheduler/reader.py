@@ -242,6 +242,25 @@ class Reader:
         index = self._index(name)
         return [_row(c, index) for c in reversed(history.commits) if c.generation is not None]
 
+    def indexed(self, name: str) -> list[IndexEntry]:
+        """The figures of every observed generation of ``name``, oldest first (metrics)."""
+        if not NAME_PATTERN.fullmatch(name):
+            raise NotFound(f"no lineage named {name!r}")
+        index = self._index(name)
+        return [index.entries[number] for number in sorted(index.entries)] if index else []
+
+    def observation(self, name: str, number: int) -> Observation | None:
+        """The stored observation of generation ``number``, whatever commit it names (metrics)."""
+        if not NAME_PATTERN.fullmatch(name):
+            raise NotFound(f"no lineage named {name!r}")
+        raw = self.store.get(generation_key(name, number))
+        if raw is None:
+            return None
+        try:
+            return Observation.model_validate_json(raw)
+        except ValidationError:
+            return None
+
     # -- internals ------------------------------------------------------------
 
     def _history(self, name: str, head: str) -> History:

@@ -1,8 +1,9 @@
 """The scheduler's handle on the fleet, and the status of each lineage it reports.
 
 Owns the status of each lineage (target, done, in flight, last outcome, deaths,
-spend, observation backlog, and whether any live worker serves the lineage's
-instrument queue) and the scheduler's planner, which sends jobs through a client
+spend, observation backlog, and which live workers serve the lineage's instrument
+queue, with the sentence a waiting user is told when none does; see
+``scheduler.liveness``) and the scheduler's planner, which sends jobs through a client
 Celery app (``worker.fleet.app``; the worker's own app is never loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
@@ -19,6 +20,7 @@ from functools import cached_property
 from celery import Celery
 from pydantic import BaseModel
 
+from scheduler.liveness import Workers, ask, start_hint, waiting_line
 from worker.fleet import embedded_redis, leases
 from worker.fleet.app import client_app, sender
 from worker.fleet.assembly import lineage_cache, observation_store
@@ -26,10 +28,8 @@ from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.lineage import root_metadata
+from worker.instrument.lineage import LineageMetadata, root_metadata
 from worker.instrument.records import DEATHS
-
-INSPECT_TIMEOUT_SECONDS = 1.5
 
 
 class LineageStatus(BaseModel):
@@ -48,7 +48,14 @@ class LineageStatus(BaseModel):
     stopped: str | None
     blocked: str | None
     queue: str | None
+    instrument_fingerprint: str | None
+    # Hostnames of the live workers consuming ``queue``; None when the broker did not answer.
+    workers: list[str] | None
+    # Hostnames of live workers serving other instruments' queues and not ``queue``.
+    other_instrument_workers: list[str]
     waiting_for_instrument: bool
+    # Why the run does not advance and how to make it, when no live worker serves ``queue``.
+    waiting: str | None
 
 
 class Fleet:
@@ -72,17 +79,28 @@ class Fleet:
             send=sender(self.app),
         )
 
-    def served_queues(self) -> set[str] | None:
-        """Queues some live worker consumes, or None when no worker answered."""
-        try:
-            replies = self.app.control.inspect(timeout=INSPECT_TIMEOUT_SECONDS).active_queues()
-        except Exception:  # an unreachable broker means "unknown", never a crash
-            return None
-        if not replies:
-            return None
-        return {queue["name"] for queues in replies.values() for queue in queues}
+    def workers(self, until_served: set[str] | None = None) -> Workers:
+        """The live workers and the queues they serve, as the broker reports them now.
 
-    def status(self, lineage: str, served: set[str] | None) -> LineageStatus:
+        With ``until_served``, the answer comes as soon as all those queues are served.
+        """
+        return ask(self.app, until_served=until_served)
+
+    def waiting(self, meta: LineageMetadata, workers: Workers) -> str | None:
+        """What a user is told while no live worker serves ``meta``'s queue; else None."""
+        queue = queue_of(meta)
+        if not workers.unserved(queue):
+            return None
+        hint = start_hint(
+            self.settings,
+            meta.name,
+            meta.instrument_fingerprint,
+            meta.instrument_version,
+            meta.instrument_commit,
+        )
+        return waiting_line(meta.name, queue, workers, hint)
+
+    def status(self, lineage: str, workers: Workers) -> LineageStatus:
         planner = self.planner
         head = planner.cache.fetch(lineage)
         if head is None:
@@ -93,11 +111,13 @@ class Fleet:
         # The index just read serves the run's progress too: one read per lineage.
         progress = run_progress(run, generation, index) if run else None
         try:
-            queue: str | None = queue_of(root_metadata(planner.cache, head, lineage))
+            meta: LineageMetadata | None = root_metadata(planner.cache, head, lineage)
         except Refusal:
-            queue = None  # an imported lineage: browsable, never run by this fleet
+            meta = None  # an imported lineage: browsable, never run by this fleet
+        queue = queue_of(meta) if meta else None
         in_flight = leases.in_flight(planner.client, lineage)
         wants_more = progress is not None and progress.stopped is None
+        waiting = self.waiting(meta, workers) if meta and wants_more else None
         return LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -115,11 +135,15 @@ class Fleet:
             stopped=progress.stopped if progress else None,
             blocked=leases.blocked(planner.client, lineage),
             queue=queue,
-            waiting_for_instrument=bool(
-                wants_more and queue and served is not None and queue not in served
-            ),
+            instrument_fingerprint=meta.instrument_fingerprint if meta else None,
+            workers=workers.serving(queue) if queue and workers.reachable else None,
+            other_instrument_workers=[w.hostname for w in workers.elsewhere(queue)]
+            if queue
+            else [],
+            waiting_for_instrument=waiting is not None,
+            waiting=waiting,
         )
 
     def statuses(self, names: list[str] | None = None) -> list[LineageStatus]:
-        served = self.served_queues()
-        return [self.status(name, served) for name in (names or self.planner.lineages())]
+        workers = self.workers()
+        return [self.status(name, workers) for name in (names or self.planner.lineages())]

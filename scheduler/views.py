@@ -153,7 +153,19 @@ class LiveWorker(BaseModel):
     queues: list[str]
 
 
+class QueueWait(BaseModel):
+    """An instrument queue that running lineages need and no live worker serves."""
+
+    queue: str
+    lineages: list[str]
+    # Live workers that serve other instruments' queues instead.
+    elsewhere: list[LiveWorker]
+    # What would serve it: the command that starts a worker, or where to run one.
+    advice: str
+
+
 class Overview(BaseModel):
     lineages: list[LineageSummary]
-    broker: Literal["no broker", "inspected"]
+    broker: Literal["no broker", "inspected", "unreachable"]
     workers: list[LiveWorker]
+    waiting: list[QueueWait] = []

@@ -1,5 +1,5 @@
-"""Shared fixtures: observation stores, a real S3 endpoint for the test session, and
-the machine-wide lock of the heaviest tests.
+"""Shared fixtures: observation stores, a real S3 endpoint for the test session, the
+real workers a test starts, and the machine-wide lock of the heaviest tests.
 
 S3 is moto's standalone server in a subprocess, spoken to over HTTP by the real
 boto3 stack: nothing in this process is patched, so signing, addressing, retries
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from lineage_support import free_port
+from lineage_support import Worker, free_port
 from served import stop, wait_until_answering
 
 from worker.fleet.settings import Settings
@@ -154,3 +154,12 @@ def machine_to_itself(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         os.close(handle)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """The real workers a test starts (append them); each is stopped when the test ends."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()

@@ -10,7 +10,7 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
 * ``Worker``: a real ``celery -A worker worker`` process in its own process group,
   stopped or killed by its own pid;
 * ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port;
-* ``free_port``, ``wait_for``, ``seed_file``.
+* ``free_port``, ``wait_for``, ``seed_file``, ``copy_instrument``.
 
 Imports nothing of ``worker`` or ``scheduler``: a benchmark must be able to load it
 before it chooses which copy of the instrument its process imports.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +62,16 @@ def seed_file(directory: Path, body: str, name: str = "seed.el") -> Path:
     path = directory / name
     path.write_text(";;; test organism  -*- lexical-binding: t; -*-\n" + body)
     return path
+
+
+def copy_instrument(source: Path, target: Path) -> Path:
+    """A copy of the checkout's importable code (``source`` is its root) to put on PYTHONPATH."""
+    for part in ("worker", "scheduler", "sandbox_scripts"):
+        shutil.copytree(source / part, target / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(source / "organism.el", target / "organism.el")
+    (target / "worker" / "organism.el").unlink()
+    shutil.copy2(source / "organism.el", target / "worker" / "organism.el")
+    return target
 
 
 class Fleet:

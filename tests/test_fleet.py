@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,7 +23,15 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from lineage_support import SMALL_PHYSICS, Fleet, Worker, free_port, seed_file, wait_for
+from lineage_support import (
+    SMALL_PHYSICS,
+    Fleet,
+    Worker,
+    copy_instrument,
+    free_port,
+    seed_file,
+    wait_for,
+)
 
 from worker.instrument.fingerprint import PACKAGE_ROOT, package_version
 
@@ -54,14 +61,6 @@ def fleet(tmp_path: Path, redis_url: str) -> Fleet:
         OUROBOROS_SPOOL_RETRY_SECONDS="1",
         OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
     )
-
-
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for worker in started:
-        worker.stop()
 
 
 def start(fleet: Fleet, workers: list[Worker], name: str, *extra_args: str, **env: str) -> Worker:
@@ -474,7 +473,7 @@ print(instrument.fingerprint)
 
 
 def test_worker_loads_every_module_eagerly_and_writes_no_bytecode(tmp_path: Path) -> None:
-    copy = copy_instrument(tmp_path / "instrument")
+    copy = copy_instrument(PACKAGE_ROOT, tmp_path / "instrument")
     result = subprocess.run(
         [sys.executable, "-c", IMMUTABLE_CHECK],
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"},
@@ -490,7 +489,7 @@ def test_worker_loads_every_module_eagerly_and_writes_no_bytecode(tmp_path: Path
 def test_running_worker_is_immune_to_its_files_being_overwritten(
     fleet: Fleet, workers: list[Worker], tmp_path: Path
 ) -> None:
-    copy = copy_instrument(tmp_path / "instrument")
+    copy = copy_instrument(PACKAGE_ROOT, tmp_path / "instrument")
     fleet.ok("init", "steady", *SMALL_PHYSICS)
     start(fleet, workers, "w1", PYTHONPATH=str(copy))
     fleet.ok("run", "steady", "--generations", "1", "--wait")
@@ -505,19 +504,6 @@ def test_running_worker_is_immune_to_its_files_being_overwritten(
         == second["provenance"]["instrument_fingerprint"]
     )
     assert not list(copy.rglob("__pycache__"))
-
-
-def copy_instrument(target: Path) -> Path:
-    for part in ("worker", "scheduler", "sandbox_scripts"):
-        shutil.copytree(
-            PACKAGE_ROOT / part,
-            target / part,
-            ignore=shutil.ignore_patterns("__pycache__"),
-        )
-    shutil.copy2(PACKAGE_ROOT / "organism.el", target / "organism.el")
-    (target / "worker" / "organism.el").unlink()
-    shutil.copy2(PACKAGE_ROOT / "organism.el", target / "worker" / "organism.el")
-    return target
 
 
 def test_a_life_longer_than_the_visibility_timeout_is_refused_before_any_run(

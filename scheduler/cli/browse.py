@@ -254,7 +254,7 @@ def serve_command(host: str | None, port: int | None) -> None:
     settings = load_settings()
     host = host or settings.web_host
     port = port or settings.web_port
-    app = create_app(open_reader(settings))
+    app = create_app(open_reader(settings), settings=settings)
     if not _loopback(host):
         console.print(
             f"[yellow]warning:[/] binding {host}: the browser has no authentication; put it "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
 
@@ -17,11 +18,11 @@ from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
 from scheduler.cli.common import USD, load_settings
-from scheduler.follow import describe, watch
+from scheduler.follow import NoWorker, describe, watch
 from scheduler.output import console, warn
 from scheduler.status import Fleet
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
-from worker.fleet.runs import job_of
+from worker.fleet.runs import job_of, queue_of
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
@@ -137,6 +138,10 @@ def run(
     metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
     for meta in metas.values():
         planner.require_deliverable(meta)
+    # Whether live workers serve these queues: asked while the runs are recorded and
+    # enqueued, and answered as soon as they all are (a second when one is not).
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ask-workers")
+    asking = pool.submit(fleet.workers, {queue_of(meta) for meta in metas.values()})
     for name, head in heads.items():
         physics = metas[name].physics
         budget = budget_usd if budget_usd is not None else physics.budget_usd * generations
@@ -147,12 +152,23 @@ def run(
             f"budget ${record.budget_usd}, {provider}",
             highlight=False,
         )
-    if follow or wait:
-        final = watch(fleet, list(names), console, show=follow)
-        for status in final:
-            console.print(describe(status), highlight=False)
-        if any(status.blocked for status in final):
-            sys.exit(1)
+    workers = asking.result()
+    pool.shutdown()
+    if not (follow or wait):
+        for meta in metas.values():
+            waiting = fleet.waiting(meta, workers)
+            if waiting:
+                warn("note", waiting)
+        return
+    try:
+        final = watch(fleet, list(names), console, follow, settings.worker_wait_seconds, workers)
+    except NoWorker as exc:
+        warn("giving up", exc)
+        sys.exit(1)
+    for status in final:
+        console.print(describe(status), highlight=False)
+    if any(status.blocked for status in final):
+        sys.exit(1)
 
 
 def run_local(

@@ -9,6 +9,7 @@ import click
 from rich.table import Table
 
 from scheduler.cli.common import emit, load_settings
+from scheduler.output import console
 from scheduler.status import Fleet
 from worker.instrument.lineage import check_name
 
@@ -17,7 +18,11 @@ from worker.instrument.lineage import check_name
 @click.argument("names", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def status(names: tuple[str, ...], as_json: bool) -> None:
-    """Where each lineage stands: target, done, in flight, last outcome, deaths, spend."""
+    """Where each lineage stands: target, done, in flight, last outcome, deaths, spend.
+
+    A lineage whose run wants more but whose instrument queue no live worker serves
+    is shown waiting, with the command that would start a worker for it.
+    """
     settings = load_settings()
     for name in names:
         check_name(name)
@@ -32,6 +37,10 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
             state = "imported (browse only)"
         if row.waiting_for_instrument:
             state = f"waiting: no live worker serves {row.queue}"
+            if row.other_instrument_workers:
+                state = f"waiting for its instrument: {row.queue} unserved (other instruments live)"
+        elif row.workers and row.in_flight:
+            state += f" (served by {', '.join(row.workers)})"
         table.add_row(
             row.lineage,
             f"{row.generation}/{row.target}" if row.target else str(row.generation),
@@ -44,3 +53,7 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
             state,
         )
     emit(rows, as_json, table)
+    if not as_json:
+        for row in rows:
+            if row.waiting:
+                console.print(row.waiting, highlight=False, soft_wrap=True)

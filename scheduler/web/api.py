@@ -1,19 +1,40 @@
 """The JSON API: the web pages' data under /api/, one route per page.
 
 Owns the JSON mirror of every page (overview, lineage, generation, compare,
-family). Responses are the reader's pydantic view models, so the OpenAPI schema
-documents them exactly. Nothing here renders or escapes: JSON is data.
+family) and the documentation of every status it answers. Responses are the
+reader's pydantic view models, so the OpenAPI schema documents them exactly; the
+errors (404 for no such lineage, generation or family; 503 for an unreachable
+observation store) carry ``ErrorBody``, and 422 (a query parameter out of range) is
+FastAPI's own validation body. Nothing here renders or escapes: JSON is data.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
 
 from scheduler.reader import DEFAULT_PER_PAGE, MAX_PER_PAGE, parse_generation
 from scheduler.views import CompareView, FamilyView, GenerationView, LineageView, Overview
 from scheduler.web.deps import overview, reader_of, seed_sha
 
-router = APIRouter(prefix="/api", tags=["api"])
+
+class ErrorBody(BaseModel):
+    """What every error of the API answers: one sentence saying what was wrong."""
+
+    detail: str
+
+
+UNAVAILABLE: dict[int | str, dict[str, Any]] = {
+    503: {"model": ErrorBody, "description": "The observation store did not answer."}
+}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorBody, "description": "No such lineage, generation or family."},
+    **UNAVAILABLE,
+}
+
+router = APIRouter(prefix="/api", tags=["api"], responses=UNAVAILABLE)
 
 
 @router.get("/", response_model=Overview)
@@ -22,7 +43,7 @@ def fleet(request: Request) -> Overview:
     return overview(request)
 
 
-@router.get("/lineages/{name}", response_model=LineageView)
+@router.get("/lineages/{name}", response_model=LineageView, responses=NOT_FOUND)
 def lineage(
     request: Request,
     name: str,
@@ -33,19 +54,21 @@ def lineage(
     return reader_of(request).lineage(name, page, per_page)
 
 
-@router.get("/lineages/{name}/generations/{gen}", response_model=GenerationView)
+@router.get(
+    "/lineages/{name}/generations/{gen}", response_model=GenerationView, responses=NOT_FOUND
+)
 def generation(request: Request, name: str, gen: str) -> GenerationView:
     """One generation: journal entry, diff against its parent, observation, lethal body."""
     return reader_of(request).generation(name, parse_generation(gen))
 
 
-@router.get("/lineages/{name}/compare/{a}/{b}", response_model=CompareView)
+@router.get("/lineages/{name}/compare/{a}/{b}", response_model=CompareView, responses=NOT_FOUND)
 def compare(request: Request, name: str, a: str, b: str) -> CompareView:
     """Two generations of one lineage: their figures and the diff between their commits."""
     return reader_of(request).compare(name, parse_generation(a), parse_generation(b))
 
 
-@router.get("/families/{seed}", response_model=FamilyView)
+@router.get("/families/{seed}", response_model=FamilyView, responses=NOT_FOUND)
 def family(request: Request, seed: str) -> FamilyView:
     """Every lineage whose seed organism has this sha256."""
     return reader_of(request).family(seed_sha(seed))

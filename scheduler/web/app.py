@@ -1,6 +1,7 @@
 """The web application: FastAPI app factory, error mapping and response headers.
 
-Owns assembling the browsing app from a ``Reader`` and a live-workers provider,
+Owns assembling the browsing app from a ``Reader``, a live-workers provider and
+the settings (for ``/metrics``, ``scheduler.web.metrics``, and for advice),
 the mapping of "no such lineage or generation" (including malformed names and
 numbers) to 404 and of an unreachable store to 503, and the headers every response
 carries: a Content-Security-Policy that allows no script at all (the UI needs none,
@@ -14,7 +15,7 @@ Trusts: the reader and the provider it is given.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -22,9 +23,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.reader import NotFound, Reader
-from scheduler.web import api, pages
+from scheduler.web import api, metrics, pages
 from scheduler.web.render import templates
 from scheduler.web.workers import WorkersProvider, live_workers, remembered
+from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import package_version
 from worker.instrument.store import StoreUnavailable
 
@@ -39,7 +41,9 @@ SECURITY_HEADERS = {
 }
 
 
-def create_app(reader: Reader, workers: WorkersProvider | None = None) -> FastAPI:
+def create_app(
+    reader: Reader, workers: WorkersProvider | None = None, settings: Settings | None = None
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Read every lineage's history once at start, in the background, so that the
@@ -58,7 +62,11 @@ def create_app(reader: Reader, workers: WorkersProvider | None = None) -> FastAP
     )
     app.state.reader = reader
     app.state.workers = workers or remembered(live_workers)
+    # For advice (the command that starts a worker) and the broker's metrics; may be None.
+    app.state.settings = settings
+    app.state.metrics = metrics.registry_for(reader, app.state.workers, settings)
     app.include_router(api.router)
+    app.include_router(metrics.router)
     app.include_router(pages.router)
 
     @app.middleware("http")
@@ -75,7 +83,8 @@ def create_app(reader: Reader, workers: WorkersProvider | None = None) -> FastAP
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _error(request, exc.status_code, str(exc.detail))
+        # Starlette's headers travel on (a 405's Allow names the methods the path takes).
+        return _error(request, exc.status_code, str(exc.detail), exc.headers)
 
     @app.exception_handler(StoreUnavailable)
     async def store_down(request: Request, exc: StoreUnavailable) -> Response:
@@ -91,9 +100,15 @@ def _warm(reader: Reader) -> None:
         return
 
 
-def _error(request: Request, status: int, message: str) -> Response:
+def _error(
+    request: Request, status: int, message: str, headers: Mapping[str, str] | None = None
+) -> Response:
     if request.url.path.startswith("/api/"):
-        return JSONResponse({"detail": message}, status_code=status)
+        return JSONResponse({"detail": message}, status_code=status, headers=headers)
     return templates.TemplateResponse(
-        request, "error.html", {"status": status, "message": message}, status_code=status
+        request,
+        "error.html",
+        {"status": status, "message": message},
+        status_code=status,
+        headers=headers,
     )

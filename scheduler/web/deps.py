@@ -1,18 +1,23 @@
 """Request-scoped access to what the app was built with, shared by API and pages.
 
-Owns reaching the app's reader and live-workers provider from a request, the
-assembly of the overview (lineages from the reader, workers from the provider)
-and the validation of URL parts the reader does not check itself.
+Owns reaching the app's reader, settings and live-workers provider from a request,
+the assembly of the overview (lineages from the reader, workers from the provider,
+and the queues running lineages wait on with no live worker) and the validation of
+URL parts the reader does not check itself.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from fastapi import Request
 
+from scheduler.liveness import Workers, start_hint
 from scheduler.reader import NotFound, Reader
-from scheduler.views import Overview
+from scheduler.views import LineageSummary, Overview, QueueWait
+from worker.fleet.settings import Settings
+from worker.instrument.names import queue_name
 
 _SEED_SHA = re.compile(r"^[0-9a-f]{64}$")
 
@@ -22,13 +27,57 @@ def reader_of(request: Request) -> Reader:
     return reader
 
 
+def workers_of(request: Request) -> Workers | None:
+    workers: Workers | None = request.app.state.workers()
+    return workers
+
+
 def overview(request: Request) -> Overview:
-    workers = request.app.state.workers()
+    workers = workers_of(request)
+    lineages = reader_of(request).summaries()
     return Overview(
-        lineages=reader_of(request).summaries(),
-        broker="no broker" if workers is None else "inspected",
-        workers=workers or [],
+        lineages=lineages,
+        broker=_broker(workers),
+        workers=workers.workers if workers else [],
+        waiting=_waits(request, lineages, workers) if workers else [],
     )
+
+
+def _broker(workers: Workers | None) -> Literal["no broker", "inspected", "unreachable"]:
+    if workers is None:
+        return "no broker"
+    return "inspected" if workers.reachable else "unreachable"
+
+
+def _waits(request: Request, lineages: list[LineageSummary], workers: Workers) -> list[QueueWait]:
+    """Each queue that running lineages need and no live worker serves, with advice."""
+    settings: Settings | None = request.app.state.settings
+    needing: dict[str, list[LineageSummary]] = {}
+    for lineage in lineages:
+        if lineage.status == "running" and lineage.instrument_fingerprint:
+            queue = queue_name(lineage.instrument_fingerprint)
+            if workers.unserved(queue):
+                needing.setdefault(queue, []).append(lineage)
+    waits = []
+    for queue, members in sorted(needing.items()):
+        first = members[0]
+        meta = reader_of(request).history(first.name).metadata
+        advice = start_hint(
+            settings,
+            first.name,
+            str(first.instrument_fingerprint),
+            meta.instrument_version if meta else None,
+            meta.instrument_commit if meta else None,
+        )
+        waits.append(
+            QueueWait(
+                queue=queue,
+                lineages=[m.name for m in members],
+                elsewhere=workers.elsewhere(queue),
+                advice=advice,
+            )
+        )
+    return waits
 
 
 def seed_sha(text: str) -> str:

@@ -38,6 +38,9 @@ class Settings(InstrumentSettings):
     lease_seconds: int = Field(60, ge=3)
     reconcile_interval_seconds: float = Field(30.0, ge=0.2)
     spool_retry_seconds: float = Field(30.0, ge=0.2)
+    # How long ``run --follow``/``--wait`` waits while no live worker serves a lineage's
+    # queue before it gives up (exit 1; the run itself stays queued).
+    worker_wait_seconds: float = Field(120.0, ge=1, le=7 * 24 * 3600)
     web_host: str = "127.0.0.1"
     web_port: int = Field(8765, ge=1, le=65535)
     # The fleet-wide cap on calls to each model provider, shared by every worker through
