@@ -1,8 +1,8 @@
 """The scheduler's handle on the fleet, and the status of each lineage it reports.
 
 Owns the status of each lineage (target, done, in flight, last outcome, deaths,
-spend, observation backlog, and whether any live worker serves the lineage's
-instrument queue) and the scheduler's planner, which sends jobs through a client
+spend, observation backlog, whether any live worker serves the lineage's
+instrument queue, and its genealogy) and the scheduler's planner, which sends jobs through a client
 Celery app (``worker.fleet.app``; the worker's own app is never loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
@@ -19,6 +19,7 @@ from functools import cached_property
 from celery import Celery
 from pydantic import BaseModel
 
+from scheduler.genealogy import Genealogy, genealogy
 from worker.fleet import embedded_redis, leases
 from worker.fleet.app import client_app, sender
 from worker.fleet.assembly import lineage_cache, observation_store
@@ -26,7 +27,7 @@ from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.lineage import root_metadata
+from worker.instrument.lineage import LineageMetadata, root_metadata
 from worker.instrument.records import DEATHS
 
 INSPECT_TIMEOUT_SECONDS = 1.5
@@ -49,6 +50,7 @@ class LineageStatus(BaseModel):
     blocked: str | None
     queue: str | None
     waiting_for_instrument: bool
+    genealogy: Genealogy
 
 
 class Fleet:
@@ -92,10 +94,7 @@ class Fleet:
         run = planner.latest_run(lineage)
         # The index just read serves the run's progress too: one read per lineage.
         progress = run_progress(run, generation, index) if run else None
-        try:
-            queue: str | None = queue_of(root_metadata(planner.cache, head, lineage))
-        except Refusal:
-            queue = None  # an imported lineage: browsable, never run by this fleet
+        queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
         in_flight = leases.in_flight(planner.client, lineage)
         wants_more = progress is not None and progress.stopped is None
         return LineageStatus(
@@ -118,7 +117,24 @@ class Fleet:
             waiting_for_instrument=bool(
                 wants_more and queue and served is not None and queue not in served
             ),
+            genealogy=genealogy(lineage, self.metadata),
         )
+
+    @cached_property
+    def metadata(self) -> dict[str, LineageMetadata | None]:
+        """Every lineage's root metadata, read once per command, for genealogy."""
+        cache = self.planner.cache
+        return {
+            name: self._metadata(name, head)
+            for name in self.planner.lineages()
+            if (head := cache.fetch(name)) is not None
+        }
+
+    def _metadata(self, lineage: str, head: str) -> LineageMetadata | None:
+        try:
+            return root_metadata(self.planner.cache, head, lineage)
+        except Refusal:
+            return None  # an imported lineage: browsable, never run by this fleet
 
     def statuses(self, names: list[str] | None = None) -> list[LineageStatus]:
         served = self.served_queues()

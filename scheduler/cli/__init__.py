@@ -42,6 +42,10 @@ COMMANDS: dict[str, Lazy] = {
         "scheduler.cli.lineages:init",
         "Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics.",
     ),
+    "fork": Lazy(
+        "scheduler.cli.lineages:fork",
+        "Create lineage NAME seeded from a generation of another, under this instrument.",
+    ),
     "run": Lazy(
         "scheduler.cli.lineages:run",
         "Run N more generations of each lineage NAME (on the fleet, or --local).",

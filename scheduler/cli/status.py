@@ -23,7 +23,15 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
         check_name(name)
     rows = Fleet(settings).statuses(list(names) or None)
     table = Table(
-        "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
+        "lineage",
+        "gen/target",
+        "in flight",
+        "last",
+        "deaths",
+        "spent",
+        "backlog",
+        "state",
+        "genealogy",
     )
     table.columns[0].no_wrap = True
     for row in rows:
@@ -42,5 +50,6 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
             + (f" of ${row.budget_usd}" if row.budget_usd is not None else ""),
             str(row.observation_backlog),
             state,
+            row.genealogy.line,
         )
     emit(rows, as_json, table)
