@@ -113,6 +113,8 @@ def _rebuild_index(name: str, checked: Checked, store: ObservationStore) -> None
         IndexEntry.of(Observation.model_validate_json(raw))
         for _, raw in sorted(checked.observations.items())
     ]
+    if not entries:
+        return  # as the exporting fleet had it: an index is written by a first observation
     rebuilt = LineageIndex(lineage=name, generations=entries).model_dump_json().encode()
     if store.get(index_key(name)) != rebuilt:
         store.put(index_key(name), rebuilt)
