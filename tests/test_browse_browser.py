@@ -56,7 +56,9 @@ class Watched:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = serve_sample_and_hostile(tmp_path_factory.mktemp("browse-browser"))
+    server = serve_sample_and_hostile(
+        tmp_path_factory.mktemp("browse-browser"), ("offshoot", "sample@2")
+    )
     yield server
     server.stop()
 
@@ -119,6 +121,23 @@ def test_walk_overview_lineage_generation_death_and_compare(
 
     assert watched.errors == []
     assert watched.foreign == []
+
+
+def test_genealogy_links_a_fork_and_its_parent_generation(
+    served: Served, browser_page: Watched
+) -> None:
+    watched, page = browser_page, browser_page.page
+    page.goto(served.url + "/lineages/offshoot")
+    assert "sample generation 2" in page.locator("#parent").inner_text()
+    watched.shot("8-fork")
+    page.locator("#parent").get_by_role("link", name="sample generation 2").click()
+    page.wait_for_url("**/lineages/sample/generations/2")
+    page.get_by_role("link", name="sample", exact=True).first.click()
+    page.wait_for_url("**/lineages/sample")
+    assert "a root lineage" in page.locator("#parent").inner_text()
+    page.locator("#children").get_by_role("link", name="offshoot").click()
+    page.wait_for_url("**/lineages/offshoot")
+    assert watched.errors == []
 
 
 def test_hostile_pages_run_nothing_in_the_browser(served: Served, browser_page: Watched) -> None:
