@@ -115,7 +115,8 @@ def check_continuable(meta: LineageMetadata, instrument: Instrument, commit: str
         raise Refusal(
             f"lineage {meta.name}: instrument fingerprint differs "
             f"({meta.instrument_fingerprint[:12]} pinned, {instrument.fingerprint[:12]} here); "
-            "its physics would change - start a new lineage"
+            "its physics would change - start a new lineage, or carry this one forward with "
+            f"schedule-lineage fork NEW --from {meta.name}"
         )
     if meta.instrument_version != instrument.version:
         raise Refusal(
