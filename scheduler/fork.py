@@ -23,21 +23,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from scheduler.history import parse_subject
 from worker.instrument.errors import Refusal
-from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
-from worker.instrument.lineage import (
-    LineageMetadata,
-    Parentage,
-    check_name,
-    create_lineage,
-    parse_metadata,
-)
+from worker.instrument.lineage import LineageMetadata, Parentage, check_name, parse_metadata
 from worker.instrument.names import METADATA_PATH, ORGANISM_PATH, generation_number
 from worker.instrument.physics import Physics
-from worker.instrument.store import ObservationStore
 
 _GENERATION = re.compile(r"^[0-9]{1,9}$")
 _COMMIT = re.compile(r"^[0-9a-f]{7,64}$")
@@ -117,21 +110,17 @@ def _position(log: list[list[str]], name: str, where: str) -> int:
     )
 
 
-def fork_lineage(
-    *,
-    name: str,
-    source: Source,
-    physics: Physics,
-    instrument: Instrument,
-    commit: str,
-    repository: str,
-    ref: str,
-    repo_url: str,
-    cache: LineageCache,
-    store: ObservationStore,
-) -> LineageMetadata:
-    """Create lineage ``name`` seeded from ``source``'s tree; the parent is only read."""
-    check_name(name)
+class Seed(NamedTuple):
+    """What a fork's seed commit holds: the body, the other files, and the parent record."""
+
+    body: bytes
+    files: dict[str, Entry]
+    parent: Parentage
+
+
+def seed_of(cache: LineageCache, source: Source, physics: Physics) -> Seed:
+    """The seed a fork of ``source`` starts from; a Refusal if it could not live under
+    ``physics``. The parent is only read."""
     tree = cache.tree(source.commit)
     organism = tree.get(ORGANISM_PATH)
     if organism is None or organism.mode not in _REGULAR:
@@ -139,7 +128,7 @@ def fork_lineage(
             f"{source.lineage}@{source.generation} ({source.commit[:12]}) has no regular "
             f"{ORGANISM_PATH}; fork another generation"
         )
-    files: dict[str, Entry] = {p: e for p, e in tree.items() if p != METADATA_PATH}
+    files = {p: e for p, e in tree.items() if p != METADATA_PATH}
     found = cache.footprint(files)
     if not found.fits(physics.work_bytes, physics.work_files):
         raise Refusal(
@@ -147,21 +136,8 @@ def fork_lineage(
             f"{found.room} bytes of /work) does not fit work_bytes={physics.work_bytes} "
             f"work_files={physics.work_files}; raise --work-bytes or --work-files"
         )
-    seed = cache.cat_blobs([organism.sha])[organism.sha]
-    return create_lineage(
-        name=name,
-        seed=seed,
-        physics=physics,
-        instrument=instrument,
-        commit=commit,
-        repository=repository,
-        ref=ref,
-        repo_url=repo_url,
-        cache=cache,
-        store=store,
-        files=files,
-        parent=source.parentage(),
-    )
+    body = cache.cat_blobs([organism.sha])[organism.sha]
+    return Seed(body, files, source.parentage())
 
 
 def describe(meta: LineageMetadata, source: Source) -> list[str]:

@@ -251,10 +251,18 @@ def _observation_edited(members: Members, number: int, **changes: object) -> byt
     return json.dumps(data, indent=2).encode()
 
 
-def _resum(members: Members, name: str) -> None:
+def _listed(members: Members, name: str, digest: str | None) -> None:
+    """The manifest with ``name`` listed with ``digest``, or not listed at all (None)."""
     manifest = json.loads(members["manifest.json"])
-    manifest["files"][name] = hashlib.sha256(members[name]).hexdigest()
+    if digest is None:
+        del manifest["files"][name]
+    else:
+        manifest["files"][name] = digest
     members["manifest.json"] = json.dumps(manifest).encode()
+
+
+def _resum(members: Members, name: str) -> None:
+    _listed(members, name, hashlib.sha256(members[name]).hexdigest())
 
 
 def changed_observation(m: Members) -> str:
@@ -282,9 +290,7 @@ def missing_observation(m: Members) -> str:
 
 def missing_observation_and_entry(m: Members) -> str:
     del m["generations/000002.json"]
-    manifest = json.loads(m["manifest.json"])
-    del manifest["files"]["generations/000002.json"]
-    m["manifest.json"] = json.dumps(manifest).encode()
+    _listed(m, "generations/000002.json", None)
     return (
         "problem: missing: generation 2 has no observation (generations/000002.json) and the "
         "manifest does not declare it unobserved"
@@ -303,9 +309,7 @@ def extra_observation_listed(m: Members) -> str:
 
 
 def wrong_sum(m: Members) -> str:
-    manifest = json.loads(m["manifest.json"])
-    manifest["files"]["metadata.json"] = "0" * 64
-    m["manifest.json"] = json.dumps(manifest).encode()
+    _listed(m, "metadata.json", "0" * 64)
     actual = hashlib.sha256(m["metadata.json"]).hexdigest()
     return f"problem: sum: metadata.json has sha256 {actual}, the manifest says {'0' * 64}"
 

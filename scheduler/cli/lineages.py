@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from scheduler.cli.common import USD, load_settings
 from scheduler.follow import describe, watch
 from scheduler.fork import describe as describe_fork
-from scheduler.fork import fork_lineage, resolve
+from scheduler.fork import resolve, seed_of
 from scheduler.output import console, warn
 from scheduler.status import Fleet
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
@@ -29,9 +29,16 @@ from worker.fleet.runs import job_of
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
-from worker.instrument.gitrepo import GitError
+from worker.instrument.gitrepo import Entry, GitError
 from worker.instrument.job import GenerationJob
-from worker.instrument.lineage import check_name, create_lineage, read_seed, root_metadata
+from worker.instrument.lineage import (
+    LineageMetadata,
+    Parentage,
+    check_name,
+    create_lineage,
+    read_seed,
+    root_metadata,
+)
 from worker.instrument.model.catalogue import require_known
 from worker.instrument.model.providers import make_provider
 from worker.instrument.physics import Physics
@@ -86,24 +93,36 @@ def init(name: str, seed: Path | None, **physics_options: object) -> None:
     """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics."""
     settings = load_settings()
     physics = physics_from(physics_options)
-    instrument = current()
-    commit = instrument_commit(settings.instrument_commit)
+    meta = create(settings, name, read_seed(seed) if seed else current().seed, physics)
+    console.print(
+        f"created lineage [bold]{meta.name}[/] (branch lineage-{meta.name}) in "
+        f"{settings.lineage_repo_url}; instrument {meta.instrument_fingerprint[:12]}"
+    )
+
+
+def create(
+    settings: Settings,
+    name: str,
+    seed: bytes,
+    physics: Physics,
+    files: dict[str, Entry] | None = None,
+    parent: Parentage | None = None,
+) -> LineageMetadata:
+    """A new lineage pinned to the instrument running here (``init`` and ``fork``)."""
     repository, ref = instrument_provenance()
-    meta = create_lineage(
+    return create_lineage(
         name=name,
-        seed=read_seed(seed) if seed else instrument.seed,
+        seed=seed,
         physics=physics,
-        instrument=instrument,
-        commit=commit,
+        instrument=current(),
+        commit=instrument_commit(settings.instrument_commit),
         repository=repository,
         ref=ref,
         repo_url=settings.lineage_repo_url,
         cache=lineage_cache(settings, "scheduler"),
         store=observation_store(settings),
-    )
-    console.print(
-        f"created lineage [bold]{meta.name}[/] (branch lineage-{meta.name}) in "
-        f"{settings.lineage_repo_url}; instrument {meta.instrument_fingerprint[:12]}"
+        files=files,
+        parent=parent,
     )
 
 
@@ -124,19 +143,8 @@ def fork(name: str, source_spec: str, **physics_options: object) -> None:
     cache = lineage_cache(settings, "scheduler")
     source = resolve(cache, source_spec)
     physics = physics_from(physics_options, source.physics)
-    repository, ref = instrument_provenance()
-    meta = fork_lineage(
-        name=name,
-        source=source,
-        physics=physics,
-        instrument=current(),
-        commit=instrument_commit(settings.instrument_commit),
-        repository=repository,
-        ref=ref,
-        repo_url=settings.lineage_repo_url,
-        cache=cache,
-        store=observation_store(settings),
-    )
+    seed = seed_of(cache, source, physics)
+    meta = create(settings, name, seed.body, physics, seed.files, seed.parent)
     for line in describe_fork(meta, source):
         console.print(line, highlight=False, markup=False)
 
