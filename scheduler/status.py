@@ -2,8 +2,8 @@
 
 Owns the status of each lineage (target, done, in flight, last outcome, deaths,
 spend, observation backlog, whether any live worker serves the lineage's
-instrument queue, and its genealogy) and the scheduler's planner, which sends jobs through a client
-Celery app (``worker.fleet.app``; the worker's own app is never loaded here).
+instrument queue, its genealogy) and the scheduler's planner, which sends jobs
+through a client Celery app (``worker.fleet.app``; the worker's own app is never loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 

@@ -23,16 +23,9 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
         check_name(name)
     rows = Fleet(settings).statuses(list(names) or None)
     table = Table(
-        "lineage",
-        "gen/target",
-        "in flight",
-        "last",
-        "deaths",
-        "spent",
-        "backlog",
-        "state",
-        "genealogy",
+        "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
     )
+    table.add_column("genealogy")
     table.columns[0].no_wrap = True
     for row in rows:
         state = row.blocked or row.stopped or ("running" if row.in_flight else "idle")
