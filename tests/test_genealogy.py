@@ -186,6 +186,8 @@ def test_status_and_journal_show_parent_ancestry_and_children(family: Family) ->
         ("sample", 2, True),
     ]
     assert ancestry[1]["instrument_fingerprint"] is None  # the imported root pinned none
+    # A root's metadata has no parent field at all: it reads as roots always did.
+    assert "parent" not in meta(fleet, "xss")
     assert rows["xss"]["genealogy"] == {
         "parent": None,
         "ancestry": [],
