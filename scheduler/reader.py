@@ -151,28 +151,33 @@ class Reader:
                 heads[name] = sha
         return heads
 
-    def history(self, name: str) -> History:
+    def history(self, name: str, heads: dict[str, str] | None = None) -> History:
+        """``name``'s history, its head looked up in ``heads`` (default: read them now)."""
         if not NAME_PATTERN.fullmatch(name):
             raise NotFound(f"no lineage named {name!r}")
-        head = self.heads().get(name)
+        head = (heads if heads is not None else self.heads()).get(name)
         if head is None:
             raise NotFound(f"no lineage named {name}")
         return self._history(name, head)
 
     def summaries(self) -> list[LineageSummary]:
-        metas = self.metadata()
-        return [self._summary(self._history(n, h), metas=metas) for n, h in self._sorted_heads()]
+        heads = self.heads()
+        metas = self.metadata(heads)
+        return [self._summary(self._history(n, h), metas=metas) for n, h in sorted(heads.items())]
 
     def summary(self, name: str) -> LineageSummary:
-        return self._summary(self.history(name))
+        heads = self.heads()
+        return self._summary(self.history(name, heads), metas=self.metadata(heads))
 
-    def metadata(self) -> dict[str, LineageMetadata | None]:
+    def metadata(self, heads: dict[str, str] | None = None) -> dict[str, LineageMetadata | None]:
         """Every lineage's root metadata (None: imported), what genealogy is read from."""
-        return {name: self._history(name, head).metadata for name, head in self._sorted_heads()}
+        heads = heads if heads is not None else self.heads()
+        return {name: self._history(name, head).metadata for name, head in sorted(heads.items())}
 
     def genealogy(self, name: str) -> Genealogy:
-        self.history(name)
-        return genealogy(name, self.metadata())
+        heads = self.heads()
+        self.history(name, heads)
+        return genealogy(name, self.metadata(heads))
 
     def family(self, seed_sha256: str) -> FamilyView:
         """Lineages seeded from this organism, then every lineage forked from one of them."""
@@ -184,19 +189,21 @@ class Reader:
         return FamilyView(seed_sha256=seed_sha256, lineages=[summaries[m] for m in members])
 
     def lineage(self, name: str, page: int = 1, per_page: int = DEFAULT_PER_PAGE) -> LineageView:
-        history = self.history(name)
+        # One read of the branch heads serves the history, the genealogy and the parent link.
+        heads = self.heads()
+        history = self.history(name, heads)
         index = self._index(name)
         per_page = max(1, min(per_page, MAX_PER_PAGE))
         pages = max(1, -(-len(history.commits) // per_page))
         if not 1 <= page <= pages:
             raise NotFound(f"lineage {name} has {pages} pages")
         window = history.commits[(page - 1) * per_page : page * per_page]
-        metas = self.metadata()
+        metas = self.metadata(heads)
         return LineageView(
             summary=self._summary(history, index, metas),
             metadata=history.metadata,
             genealogy=genealogy(name, metas),
-            parent_url=self._parent_url(history),
+            parent_url=self._parent_url(history, heads),
             page=PageInfo(number=page, per_page=per_page, rows=len(history.commits), pages=pages),
             rows=[_row(commit, index) for commit in window],
             series=index.series if index else [],
@@ -260,17 +267,14 @@ class Reader:
 
     # -- internals ------------------------------------------------------------
 
-    def _sorted_heads(self) -> list[tuple[str, str]]:
-        return sorted(self.heads().items())
-
-    def _parent_url(self, history: History) -> str | None:
+    def _parent_url(self, history: History, heads: dict[str, str]) -> str | None:
         """The page of the exact commit a fork was seeded from, where this repository has it.
 
         A generation's page when the recorded commit is that generation's; the parent's
         lineage page when the fork started from its seed or an out-of-loop commit.
         """
         parent = history.metadata.parent if history.metadata else None
-        head = self.heads().get(parent.lineage) if parent else None
+        head = heads.get(parent.lineage) if parent else None
         if parent is None or head is None:
             return None
         found = self._history(parent.lineage, head).by_generation.get(parent.generation)
