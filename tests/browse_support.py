@@ -229,6 +229,7 @@ class Served:
     """``schedule-lineage serve`` running for a fleet home, spoken to over HTTP."""
 
     def __init__(self, fleet: Fleet, log: Path) -> None:
+        self.fleet = fleet
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = log.open("wb")
