@@ -14,7 +14,8 @@ read: a gzip-compressed tar of regular files with fixed names and nothing else::
 Reading treats the archive as hostile: a member that is not a regular file (a
 symlink, a hard link, a directory, a device), whose name is not one of the names
 above (so no absolute path, no ``..``, nothing outside the unpacking directory), a
-name given twice, more members or bytes than the bounds below, or anything but a
+name given twice, more members or bytes than the bounds below, an extended header
+(pax, GNU long name) over 64 KiB, which tarfile would read whole, or anything but a
 gzip tar is refused with one line before any of it is used. Members are written
 only under names this module computes, in a private directory, without following
 links. The manifest is validated with pydantic. Nothing here runs git: the bundle
@@ -60,6 +61,14 @@ MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_BUNDLE_BYTES = 16 * 1024**3
 MAX_TOTAL_BYTES = 64 * 1024**3
 _CHUNK = 1024 * 1024
+
+# tarfile reads an extended header (pax, GNU long name) whole, before the member it
+# describes can be judged; an export's members need a few hundred bytes of one at most.
+MAX_EXTENDED_HEADER_BYTES = 64 * 1024
+_EXTENDED_HEADERS = frozenset(
+    {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE}
+    | {tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK}
+)
 
 _GENERATION_MEMBER = re.compile(r"^generations/([0-9]{6,9})\.json$")
 _RUN_MEMBER = re.compile(r"^runs/([A-Za-z0-9][A-Za-z0-9_.-]{0,127})\.json$")
@@ -171,6 +180,25 @@ def _add(tar: tarfile.TarFile, name: str, data: io.IOBase, size: int, when: int)
     tar.addfile(info, data)  # type: ignore[arg-type]
 
 
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A header that refuses an extended header over the bound before it is read.
+
+    ``tarinfo=`` is tarfile's own extension point; this is ``TarInfo.fromtarfile``
+    with the one check added between reading a header block and processing it.
+    """
+
+    @classmethod
+    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        buf = tar.fileobj.read(tarfile.BLOCKSIZE)  # type: ignore[union-attr]
+        info = cls.frombuf(buf, tar.encoding, tar.errors)  # type: ignore[arg-type]
+        if info.type in _EXTENDED_HEADERS and info.size > MAX_EXTENDED_HEADER_BYTES:
+            raise tarfile.HeaderError(
+                f"an extended header of {info.size} bytes, over {MAX_EXTENDED_HEADER_BYTES}"
+            )
+        info.offset = tar.fileobj.tell() - tarfile.BLOCKSIZE  # type: ignore[union-attr]
+        return info._proc_member(tar)  # type: ignore[attr-defined, no-any-return]
+
+
 @dataclass(frozen=True)
 class Unpacked:
     """An archive's members in a private directory: member name -> file."""
@@ -196,7 +224,7 @@ def unpack(archive: Path, into: Path) -> Unpacked:
     with handle:
         try:
             # Stream mode: members are read once, in order, and no index of them is kept.
-            with tarfile.open(fileobj=handle, mode="r|gz") as tar:
+            with tarfile.open(fileobj=handle, mode="r|gz", tarinfo=_BoundedTarInfo) as tar:
                 for member in tar:
                     total += _unpack_member(archive, tar, member, into, members)
                     if len(members) > MAX_MEMBERS or total > MAX_TOTAL_BYTES:

@@ -416,6 +416,17 @@ def test_a_hostile_archive_is_refused_before_use(
     assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_an_oversized_extended_header_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    archive = tmp_path / "pax.tgz"
+    with tarfile.open(
+        archive, "w:gz", format=tarfile.PAX_FORMAT, pax_headers={"comment": "x" * 2**20}
+    ) as tar:
+        _file("manifest.json")(tar)
+    result = Fleet(tmp_path).cli("verify", str(archive))
+    assert result.returncode == 2
+    assert "an extended header of 1048" in result.stderr and "over 65536" in result.stderr
+
+
 def test_an_oversized_member_and_a_non_archive_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
