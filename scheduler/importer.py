@@ -49,7 +49,7 @@ def import_bundle(bundle: Path, name: str, repo_url: str) -> str:
         raise Refusal(f"lineage {name} already exists; choose another name")
     verified = run_git(repo, "bundle", "verify", "--quiet", str(bundle), check=False)
     if verified.returncode != 0:
-        raise Refusal(f"{bundle} is not a complete git bundle: {_last_line(verified.stderr)}")
+        raise Refusal(f"{bundle} is not a complete git bundle: {last_line(verified.stderr)}")
     source = _single_branch(repo, bundle)
     staging = f"refs/ouroboros-import/{uuid.uuid4().hex}"
     run_git(
@@ -92,6 +92,6 @@ def _single_branch(repo: Path, bundle: Path) -> str:
     return candidates[0][1]
 
 
-def _last_line(stderr: bytes) -> str:
+def last_line(stderr: bytes) -> str:
     lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
     return lines[-1].removeprefix("error: ") if lines else "git could not read it"

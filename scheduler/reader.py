@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 from pydantic import ValidationError
 
+from scheduler.genealogy import Genealogy, children, descendants, genealogy
 from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
 from scheduler.readgit import ReadOnlyGit
 from scheduler.views import (
@@ -150,37 +151,59 @@ class Reader:
                 heads[name] = sha
         return heads
 
-    def history(self, name: str) -> History:
+    def history(self, name: str, heads: dict[str, str] | None = None) -> History:
+        """``name``'s history, its head looked up in ``heads`` (default: read them now)."""
         if not NAME_PATTERN.fullmatch(name):
             raise NotFound(f"no lineage named {name!r}")
-        head = self.heads().get(name)
+        head = (heads if heads is not None else self.heads()).get(name)
         if head is None:
             raise NotFound(f"no lineage named {name}")
         return self._history(name, head)
 
     def summaries(self) -> list[LineageSummary]:
-        return [self._summary(self._history(n, h)) for n, h in sorted(self.heads().items())]
+        heads = self.heads()
+        metas = self.metadata(heads)
+        return [self._summary(self._history(n, h), metas=metas) for n, h in sorted(heads.items())]
 
     def summary(self, name: str) -> LineageSummary:
-        return self._summary(self.history(name))
+        heads = self.heads()
+        return self._summary(self.history(name, heads), metas=self.metadata(heads))
+
+    def metadata(self, heads: dict[str, str] | None = None) -> dict[str, LineageMetadata | None]:
+        """Every lineage's root metadata (None: imported), what genealogy is read from."""
+        heads = heads if heads is not None else self.heads()
+        return {name: self._history(name, head).metadata for name, head in sorted(heads.items())}
+
+    def genealogy(self, name: str) -> Genealogy:
+        heads = self.heads()
+        self.history(name, heads)
+        return genealogy(name, self.metadata(heads))
 
     def family(self, seed_sha256: str) -> FamilyView:
-        members = [s for s in self.summaries() if s.seed_sha256 == seed_sha256]
-        if not members:
+        """Lineages seeded from this organism, then every lineage forked from one of them."""
+        summaries = {s.name: s for s in self.summaries()}
+        roots = [name for name, s in summaries.items() if s.seed_sha256 == seed_sha256]
+        if not roots:
             raise NotFound(f"no lineage seeded from {seed_sha256}")
-        return FamilyView(seed_sha256=seed_sha256, lineages=members)
+        members = descendants(roots, self.metadata())
+        return FamilyView(seed_sha256=seed_sha256, lineages=[summaries[m] for m in members])
 
     def lineage(self, name: str, page: int = 1, per_page: int = DEFAULT_PER_PAGE) -> LineageView:
-        history = self.history(name)
+        # One read of the branch heads serves the history, the genealogy and the parent link.
+        heads = self.heads()
+        history = self.history(name, heads)
         index = self._index(name)
         per_page = max(1, min(per_page, MAX_PER_PAGE))
         pages = max(1, -(-len(history.commits) // per_page))
         if not 1 <= page <= pages:
             raise NotFound(f"lineage {name} has {pages} pages")
         window = history.commits[(page - 1) * per_page : page * per_page]
+        metas = self.metadata(heads)
         return LineageView(
-            summary=self._summary(history, index),
+            summary=self._summary(history, index, metas),
             metadata=history.metadata,
+            genealogy=genealogy(name, metas),
+            parent_url=self._parent_url(history, heads),
             page=PageInfo(number=page, per_page=per_page, rows=len(history.commits), pages=pages),
             rows=[_row(commit, index) for commit in window],
             series=index.series if index else [],
@@ -262,6 +285,21 @@ class Reader:
             return None
 
     # -- internals ------------------------------------------------------------
+
+    def _parent_url(self, history: History, heads: dict[str, str]) -> str | None:
+        """The page of the exact commit a fork was seeded from, where this repository has it.
+
+        A generation's page when the recorded commit is that generation's; the parent's
+        lineage page when the fork started from its seed or an out-of-loop commit.
+        """
+        parent = history.metadata.parent if history.metadata else None
+        head = heads.get(parent.lineage) if parent else None
+        if parent is None or head is None:
+            return None
+        found = self._history(parent.lineage, head).by_generation.get(parent.generation)
+        if found is not None and found.sha == parent.commit:
+            return f"/lineages/{parent.lineage}/generations/{parent.generation}"
+        return f"/lineages/{parent.lineage}"
 
     def _history(self, name: str, head: str) -> History:
         with self._lock:
@@ -376,8 +414,14 @@ class Reader:
                 continue
         return sorted(runs, key=lambda run: run.run_id)
 
-    def _summary(self, history: History, index: IndexView | None = None) -> LineageSummary:
+    def _summary(
+        self,
+        history: History,
+        index: IndexView | None = None,
+        metas: dict[str, LineageMetadata | None] | None = None,
+    ) -> LineageSummary:
         index = index if index is not None else self._index(history.name)
+        metas = metas if metas is not None else self.metadata()
         outcomes: Counter[str] = Counter()
         observed = 0
         for commit in history.by_generation.values():
@@ -417,6 +461,8 @@ class Reader:
             observed=observed,
             backlog=history.numbered - observed if fleet else None,
             run=progress,
+            parent=history.metadata.parent if history.metadata else None,
+            children=[child.lineage for child in children(history.name, metas)],
         )
 
     def _diff(self, old: str | None, new: str) -> list[FileDiff]:

@@ -1,10 +1,11 @@
 """The scheduler's handle on the fleet, and the status of each lineage it reports.
 
 Owns the status of each lineage (target, done, in flight, last outcome, deaths,
-spend, observation backlog, and which live workers serve the lineage's instrument
-queue, with the sentence a waiting user is told when none does; see
-``scheduler.liveness``) and the scheduler's planner, which sends jobs through a client
-Celery app (``worker.fleet.app``; the worker's own app is never loaded here).
+spend, observation backlog, which live workers serve the lineage's instrument
+queue, with the sentence a waiting user is told when none does (see
+``scheduler.liveness``), and its genealogy) and the scheduler's planner, which sends
+jobs through a client Celery app (``worker.fleet.app``; the worker's own app is never
+loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 
@@ -20,6 +21,7 @@ from functools import cached_property
 from celery import Celery
 from pydantic import BaseModel
 
+from scheduler.genealogy import Genealogy, genealogy
 from scheduler.liveness import Workers, ask, start_hint, waiting_line
 from worker.fleet import embedded_redis, leases
 from worker.fleet.app import client_app, sender
@@ -56,6 +58,7 @@ class LineageStatus(BaseModel):
     waiting_for_instrument: bool
     # Why the run does not advance and how to make it, when no live worker serves ``queue``.
     waiting: str | None
+    genealogy: Genealogy
 
 
 class Fleet:
@@ -110,11 +113,7 @@ class Fleet:
         run = planner.latest_run(lineage)
         # The index just read serves the run's progress too: one read per lineage.
         progress = run_progress(run, generation, index) if run else None
-        try:
-            meta: LineageMetadata | None = root_metadata(planner.cache, head, lineage)
-        except Refusal:
-            meta = None  # an imported lineage: browsable, never run by this fleet
-        queue = queue_of(meta) if meta else None
+        queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
         in_flight = leases.in_flight(planner.client, lineage)
         wants_more = progress is not None and progress.stopped is None
         waiting = self.waiting(meta, workers) if meta and wants_more else None
@@ -142,7 +141,24 @@ class Fleet:
             else [],
             waiting_for_instrument=waiting is not None,
             waiting=waiting,
+            genealogy=genealogy(lineage, self.metadata),
         )
+
+    @cached_property
+    def metadata(self) -> dict[str, LineageMetadata | None]:
+        """Every lineage's root metadata, read once per command, for genealogy."""
+        cache = self.planner.cache
+        return {
+            name: self._metadata(name, head)
+            for name in self.planner.lineages()
+            if (head := cache.fetch(name)) is not None
+        }
+
+    def _metadata(self, lineage: str, head: str) -> LineageMetadata | None:
+        try:
+            return root_metadata(self.planner.cache, head, lineage)
+        except Refusal:
+            return None  # an imported lineage: browsable, never run by this fleet
 
     def statuses(self, names: list[str] | None = None) -> list[LineageStatus]:
         workers = self.workers()

@@ -18,9 +18,10 @@ from typing import Literal
 
 from pydantic import BaseModel, computed_field
 
+from scheduler.genealogy import Genealogy
 from scheduler.history import CommitKind, JournalEntry
 from worker.fleet.runs import Progress
-from worker.instrument.lineage import LineageMetadata
+from worker.instrument.lineage import LineageMetadata, Parentage
 from worker.instrument.records import DEATHS, IndexEntry, Observation
 
 LineageKind = Literal["fleet", "imported"]
@@ -74,6 +75,9 @@ class LineageSummary(BaseModel):
     observed: int
     backlog: int | None
     run: Progress | None
+    # The lineage it was forked from (None: a root) and the lineages forked from it.
+    parent: Parentage | None = None
+    children: list[str] = []
 
 
 class PageInfo(BaseModel):
@@ -101,6 +105,9 @@ class Series(BaseModel):
 class LineageView(BaseModel):
     summary: LineageSummary
     metadata: LineageMetadata | None
+    genealogy: Genealogy
+    # The generation page of the exact parent generation, when it has one here.
+    parent_url: str | None
     page: PageInfo
     rows: list[GenerationRow]
     series: list[Series]
@@ -137,6 +144,8 @@ class CompareView(BaseModel):
 
 
 class FamilyView(BaseModel):
+    """Lineages seeded from one organism, and every lineage forked from one of them."""
+
     seed_sha256: str
     lineages: list[LineageSummary]
 

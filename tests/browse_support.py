@@ -229,6 +229,7 @@ class Served:
     """``schedule-lineage serve`` running for a fleet home, spoken to over HTTP."""
 
     def __init__(self, fleet: Fleet, log: Path) -> None:
+        self.fleet = fleet
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = log.open("wb")
@@ -278,9 +279,12 @@ class Served:
         self._log.close()
 
 
-def serve_sample_and_hostile(home: Path) -> Served:
-    """A web UI over the imported legacy sample and a lineage full of hostile text."""
+def serve_sample_and_hostile(home: Path, *forks: tuple[str, str]) -> Served:
+    """A web UI over the imported legacy sample and a lineage full of hostile text,
+    and a lineage forked for each (NAME, NAME[@GEN]) in ``forks``."""
     fleet = Fleet(home)
     import_fixture(fleet)
     write_hostile_lineage(settings_of(fleet))
+    for name, source in forks:
+        fleet.ok("fork", name, "--from", source)
     return Served(fleet, home / "serve.log")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from browse_support import PAYLOAD, Served, serve_sample_and_hostile
 from legacy_lineage import FIXTURE_BACKTRACE
+from lineage_support import Fleet
 from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, sync_playwright
 
 pytestmark = pytest.mark.browser
@@ -56,7 +57,9 @@ class Watched:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = serve_sample_and_hostile(tmp_path_factory.mktemp("browse-browser"))
+    server = serve_sample_and_hostile(
+        tmp_path_factory.mktemp("browse-browser"), ("offshoot", "sample@2")
+    )
     yield server
     server.stop()
 
@@ -119,6 +122,45 @@ def test_walk_overview_lineage_generation_death_and_compare(
 
     assert watched.errors == []
     assert watched.foreign == []
+
+
+def test_genealogy_links_a_fork_and_its_parent_generation(
+    served: Served, browser_page: Watched
+) -> None:
+    watched, page = browser_page, browser_page.page
+    page.goto(served.url + "/lineages/offshoot")
+    assert "sample generation 2" in page.locator("#parent").inner_text()
+    watched.shot("8-fork")
+    page.locator("#parent").get_by_role("link", name="sample generation 2").click()
+    page.wait_for_url("**/lineages/sample/generations/2")
+    page.get_by_role("link", name="sample", exact=True).first.click()
+    page.wait_for_url("**/lineages/sample")
+    assert "a root lineage" in page.locator("#parent").inner_text()
+    page.locator("#children").get_by_role("link", name="offshoot").click()
+    page.wait_for_url("**/lineages/offshoot")
+    assert watched.errors == []
+
+
+def test_an_exported_lineage_reads_the_same_in_another_fleet(
+    served: Served, browser_page: Watched, tmp_path: Path
+) -> None:
+    archive = tmp_path / "xss.ouroboros.tar.gz"
+    served.fleet.ok("export", "xss", "--to", str(archive))
+    (tmp_path / "elsewhere").mkdir()
+    elsewhere = Fleet(tmp_path / "elsewhere")
+    elsewhere.ok("import", str(archive))
+    copy = Served(elsewhere, tmp_path / "elsewhere.log")
+    try:
+        for path in ("/lineages/xss", "/lineages/xss/generations/1", "/lineages/xss/generations/2"):
+            texts = []
+            for server in (served, copy):
+                browser_page.page.goto(server.url + path)
+                texts.append(browser_page.page.locator("main").inner_text())
+            assert texts[0] == texts[1], path
+        browser_page.shot("9-imported")
+    finally:
+        copy.stop()
+    assert browser_page.errors == []
 
 
 def test_hostile_pages_run_nothing_in_the_browser(served: Served, browser_page: Watched) -> None:

@@ -5,7 +5,7 @@ line on stderr with exit status 2 and no traceback; the work itself is done by t
 worker's pipeline and the scheduler's modules, never here.
 
 Each command lives in the module of its family (``lineages``, ``status``,
-``doctor``, ``browse``; what they share is in ``common``) and that module is
+``doctor``, ``browse``, ``archives``; what they share is in ``common``) and that module is
 imported only when its command runs or its own help is asked: the group below is
 click's "lazy loading subcommands" pattern, a name -> ``"module:attr"`` table. The
 table also holds each command's one-line help, so ``schedule-lineage --help`` lists
@@ -42,6 +42,10 @@ COMMANDS: dict[str, Lazy] = {
         "scheduler.cli.lineages:init",
         "Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics.",
     ),
+    "fork": Lazy(
+        "scheduler.cli.lineages:fork",
+        "Create lineage NAME seeded from a generation of another, under this instrument.",
+    ),
     "run": Lazy(
         "scheduler.cli.lineages:run",
         "Run N more generations of each lineage NAME (on the fleet, or --local).",
@@ -61,6 +65,18 @@ COMMANDS: dict[str, Lazy] = {
     "doctor": Lazy(
         "scheduler.cli.doctor:doctor",
         "Check this host: identity, bwrap, emacs, git, ceiling, broker, repository, store, keys.",
+    ),
+    "export": Lazy(
+        "scheduler.cli.archives:export_command",
+        "Write lineage NAME, its observations, run records and metadata to one archive.",
+    ),
+    "verify": Lazy(
+        "scheduler.cli.archives:verify_command",
+        "Check an archive alone: sums, nothing missing or extra, observations match commits.",
+    ),
+    "import": Lazy(
+        "scheduler.cli.archives:import_command",
+        "Add the lineage of an export archive, verified first, to this fleet (write-once).",
     ),
     "import-bundle": Lazy(
         "scheduler.cli.browse:import_bundle_command",

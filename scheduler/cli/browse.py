@@ -90,10 +90,22 @@ def import_bundle_command(bundle: Path, name: str) -> None:
 def journal_command(name: str, as_json: bool) -> None:
     """The history of lineage NAME, oldest first: every commit with its journal entry."""
     with _refusing():
-        rows = _reader().journal(name)
+        reader = _reader()
+        rows = reader.journal(name)
+        family = reader.genealogy(name)
     if as_json:
         _json(list[JournalRow], rows)
         return
+    console.print(_plain(f"genealogy: {family.line}"))
+    if family.parent is not None:
+        parent = family.parent
+        console.print(
+            _plain(
+                f"seeded from {parent.lineage} commit {parent.commit}, instrument "
+                f"{(parent.instrument_fingerprint or 'none')[:12]} "
+                f"v{parent.instrument_version or '-'}"
+            )
+        )
     table = Table(title=f"lineage {name}: journal", show_lines=False)
     table.add_column("gen", justify="right", no_wrap=True)
     table.add_column("outcome", no_wrap=True)

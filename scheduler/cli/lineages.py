@@ -1,4 +1,4 @@
-"""Commands that make and drive lineages: ``init``, ``run``, ``cancel``, ``reconcile``.
+"""Commands that make and drive lineages: ``init``, ``fork``, ``run``, ``cancel``, ``reconcile``.
 
 Imported only when one of them runs (see ``scheduler.cli``); ``run --local`` builds
 the same pipeline the Celery task runs, through ``worker.fleet.assembly``.
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 import redis
@@ -19,6 +21,8 @@ from pydantic import ValidationError
 
 from scheduler.cli.common import USD, load_settings
 from scheduler.follow import NoWorker, describe, watch
+from scheduler.fork import describe as describe_fork
+from scheduler.fork import resolve, seed_of
 from scheduler.output import console, warn
 from scheduler.status import Fleet
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
@@ -26,19 +30,29 @@ from worker.fleet.runs import job_of, queue_of
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
-from worker.instrument.gitrepo import GitError
+from worker.instrument.gitrepo import Entry, GitError
 from worker.instrument.job import GenerationJob
-from worker.instrument.lineage import check_name, create_lineage, read_seed, root_metadata
+from worker.instrument.lineage import (
+    LineageMetadata,
+    Parentage,
+    check_name,
+    create_lineage,
+    read_seed,
+    root_metadata,
+)
 from worker.instrument.model.catalogue import require_known
 from worker.instrument.model.providers import make_provider
 from worker.instrument.physics import Physics
 from worker.instrument.store import StoreUnavailable
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def physics_from(options: dict[str, object]) -> Physics:
+
+def physics_from(options: dict[str, object], base: Physics | None = None) -> Physics:
+    """``base`` (the defaults when None) with every option given replacing its field."""
     given = {key: value for key, value in options.items() if value is not None}
     try:
-        return Physics(**given)
+        return Physics(**{**(base.model_dump() if base else {}), **given})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = first["loc"][0] if first["loc"] else ""
@@ -46,45 +60,94 @@ def physics_from(options: dict[str, object]) -> Physics:
         raise Refusal(f"{option}{first['msg']}") from None
 
 
+PHYSICS_OPTIONS = [
+    click.option("--wall", "wall_seconds", type=int, help="Wall seconds per life [600]."),
+    click.option("--cpu-seconds", type=int, help="Aggregate CPU seconds per life [120]."),
+    click.option("--memory-max", "memory_max_bytes", help="Memory ceiling, e.g. 1G [1G]."),
+    click.option("--memory-swap-max", "memory_swap_max_bytes", help="Swap ceiling [0]."),
+    click.option("--tasks-max", type=int, help="Task (process/thread) ceiling [64]."),
+    click.option("--work-bytes", help="Size of /work [256M]."),
+    click.option("--work-files", type=int, help="Files published from /work [10000]."),
+    click.option("--tmp-bytes", help="Size of /tmp [64M]."),
+    click.option("--run-bytes", help="Size of /run [16M]."),
+    click.option("--max-prompt-bytes", type=int, help="Largest prompt [196608]."),
+    click.option("--max-output-tokens", type=int, help="Largest reply in tokens [12000]."),
+    click.option(
+        "--model-timeout", "model_timeout_seconds", type=int, help="Model timeout s [600]."
+    ),
+    click.option("--budget-usd", type=USD, help="Spending budget per generation [1.00]."),
+]
+
+
+def physics_options(command: F) -> F:
+    """The pinned-physics options ``init`` and ``fork`` share, in one place."""
+    for option in reversed(PHYSICS_OPTIONS):
+        command = option(command)
+    return command
+
+
 @click.command()
 @click.argument("name")
 @click.option("--seed", type=click.Path(path_type=Path), help="Seed organism (default: canonical).")
-@click.option("--wall", "wall_seconds", type=int, help="Wall seconds per life [600].")
-@click.option("--cpu-seconds", type=int, help="Aggregate CPU seconds per life [120].")
-@click.option("--memory-max", "memory_max_bytes", help="Memory ceiling, e.g. 1G [1G].")
-@click.option("--memory-swap-max", "memory_swap_max_bytes", help="Swap ceiling [0].")
-@click.option("--tasks-max", type=int, help="Task (process/thread) ceiling [64].")
-@click.option("--work-bytes", help="Size of /work [256M].")
-@click.option("--work-files", type=int, help="Files published from /work [10000].")
-@click.option("--tmp-bytes", help="Size of /tmp [64M].")
-@click.option("--run-bytes", help="Size of /run [16M].")
-@click.option("--max-prompt-bytes", type=int, help="Largest prompt [196608].")
-@click.option("--max-output-tokens", type=int, help="Largest reply in tokens [12000].")
-@click.option("--model-timeout", "model_timeout_seconds", type=int, help="Model timeout s [600].")
-@click.option("--budget-usd", type=USD, help="Spending budget per generation [1.00].")
+@physics_options
 def init(name: str, seed: Path | None, **physics_options: object) -> None:
     """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics."""
     settings = load_settings()
     physics = physics_from(physics_options)
-    instrument = current()
-    commit = instrument_commit(settings.instrument_commit)
+    meta = create(settings, name, read_seed(seed) if seed else current().seed, physics)
+    console.print(
+        f"created lineage [bold]{meta.name}[/] (branch lineage-{meta.name}) in "
+        f"{settings.lineage_repo_url}; instrument {meta.instrument_fingerprint[:12]}"
+    )
+
+
+def create(
+    settings: Settings,
+    name: str,
+    seed: bytes,
+    physics: Physics,
+    files: dict[str, Entry] | None = None,
+    parent: Parentage | None = None,
+) -> LineageMetadata:
+    """A new lineage pinned to the instrument running here (``init`` and ``fork``)."""
     repository, ref = instrument_provenance()
-    meta = create_lineage(
+    return create_lineage(
         name=name,
-        seed=read_seed(seed) if seed else instrument.seed,
+        seed=seed,
         physics=physics,
-        instrument=instrument,
-        commit=commit,
+        instrument=current(),
+        commit=instrument_commit(settings.instrument_commit),
         repository=repository,
         ref=ref,
         repo_url=settings.lineage_repo_url,
         cache=lineage_cache(settings, "scheduler"),
         store=observation_store(settings),
+        files=files,
+        parent=parent,
     )
-    console.print(
-        f"created lineage [bold]{meta.name}[/] (branch lineage-{meta.name}) in "
-        f"{settings.lineage_repo_url}; instrument {meta.instrument_fingerprint[:12]}"
-    )
+
+
+@click.command()
+@click.argument("name")
+@click.option(
+    "--from",
+    "source_spec",
+    required=True,
+    metavar="NAME[@GEN]",
+    help="Lineage to fork; @N its generation N (0: the seed), @COMMIT any commit [head].",
+)
+@physics_options
+def fork(name: str, source_spec: str, **physics_options: object) -> None:
+    """Create lineage NAME seeded from a generation of another, under this instrument."""
+    settings = load_settings()
+    check_name(name)
+    cache = lineage_cache(settings, "scheduler")
+    source = resolve(cache, source_spec)
+    physics = physics_from(physics_options, source.physics)
+    seed = seed_of(cache, source, physics)
+    meta = create(settings, name, seed.body, physics, seed.files, seed.parent)
+    for line in describe_fork(meta, source):
+        console.print(line, highlight=False, markup=False)
 
 
 @click.command()

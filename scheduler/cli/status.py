@@ -30,6 +30,7 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
     table = Table(
         "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
     )
+    table.add_column("genealogy")
     table.columns[0].no_wrap = True
     for row in rows:
         state = row.blocked or row.stopped or ("running" if row.in_flight else "idle")
@@ -51,6 +52,7 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
             + (f" of ${row.budget_usd}" if row.budget_usd is not None else ""),
             str(row.observation_backlog),
             state,
+            row.genealogy.line,
         )
     emit(rows, as_json, table)
     if not as_json:

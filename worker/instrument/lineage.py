@@ -2,7 +2,9 @@
 
 Owns the schema of ``.ouroboros-lineage.json`` (written once, in the seed commit),
 the rules for lineage names, creating a lineage (seed commit on ``lineage-NAME`` in
-the shared bare repository plus the metadata object in the observation store) and
+the shared bare repository plus the metadata object in the observation store), the
+record of the lineage a fork was seeded from (``Parentage``: kept in the root, so the
+step from one instrument to another is on the record of the lineage itself) and
 checking that a worker may continue a lineage: schema, instrument fingerprint,
 version and commit must all equal the worker's own, because a lineage is never
 continued under different physics.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
@@ -29,6 +32,7 @@ from worker.instrument.keys import metadata_key
 from worker.instrument.names import (
     COMMIT_PATTERN,
     JOURNAL_PATH,
+    KERNEL_OWNED,
     LINEAGE_NAME_PATTERN,
     METADATA_PATH,
     ORGANISM_PATH,
@@ -38,6 +42,24 @@ from worker.instrument.store import ObservationStore
 
 SCHEMA = "ouroboros-fleet-lineage/v1"
 NAME_PATTERN = re.compile(LINEAGE_NAME_PATTERN)
+
+
+class Parentage(BaseModel):
+    """Where a forked lineage's seed came from: a commit of another lineage.
+
+    ``generation`` is how many generations that commit's history holds (0: the
+    parent's seed). The instrument fields are the parent's pinned instrument, None
+    for a parent recorded outside this fleet (an imported lineage has none).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lineage: str = Field(pattern=NAME_PATTERN.pattern)
+    commit: str = Field(pattern=COMMIT_PATTERN)
+    generation: int = Field(ge=0)
+    instrument_fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    instrument_version: str | None = None
+    instrument_commit: str | None = Field(None, pattern=COMMIT_PATTERN)
 
 
 class LineageMetadata(BaseModel):
@@ -55,9 +77,12 @@ class LineageMetadata(BaseModel):
     instrument_ref: str
     seed_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     physics: Physics
+    # None for a lineage seeded by init (and for every lineage made before forks existed).
+    parent: Parentage | None = None
 
     def to_json(self) -> bytes:
-        return (self.model_dump_json(by_alias=True, indent=2) + "\n").encode()
+        # Without the absent fields, so a root's metadata reads as it always did.
+        return (self.model_dump_json(by_alias=True, indent=2, exclude_none=True) + "\n").encode()
 
 
 def check_name(name: str) -> str:
@@ -90,7 +115,8 @@ def check_continuable(meta: LineageMetadata, instrument: Instrument, commit: str
         raise Refusal(
             f"lineage {meta.name}: instrument fingerprint differs "
             f"({meta.instrument_fingerprint[:12]} pinned, {instrument.fingerprint[:12]} here); "
-            "its physics would change - start a new lineage"
+            "its physics would change - start a new lineage, or carry this one forward with "
+            f"schedule-lineage fork NEW --from {meta.name}"
         )
     if meta.instrument_version != instrument.version:
         raise Refusal(
@@ -127,8 +153,15 @@ def create_lineage(
     repo_url: str,
     cache: LineageCache,
     store: ObservationStore,
+    files: Mapping[str, Entry] | None = None,
+    parent: Parentage | None = None,
 ) -> LineageMetadata:
-    """Create ``lineage-NAME`` with its seed commit, then its metadata object."""
+    """Create ``lineage-NAME`` with its seed commit, then its metadata object.
+
+    The seed commit holds ``seed`` as organism.el, an empty journal, the metadata, and
+    ``files`` (a fork's other files, already in the cache; the kernel's own paths and
+    organism.el among them are ignored).
+    """
     check_name(name)
     ensure_shared_repo(repo_url)
     if cache.fetch(name) is not None:
@@ -149,8 +182,11 @@ def create_lineage(
         instrument_ref=ref,
         seed_sha256=hashlib.sha256(seed).hexdigest(),
         physics=physics,
+        parent=parent,
     )
+    kept = {p: e for p, e in (files or {}).items() if p not in KERNEL_OWNED | {ORGANISM_PATH}}
     entries = {
+        **kept,
         ORGANISM_PATH: Entry("100644", cache.hash_bytes(seed)),
         JOURNAL_PATH: Entry("100644", cache.hash_bytes(b"")),
         METADATA_PATH: Entry("100644", cache.hash_bytes(meta.to_json())),

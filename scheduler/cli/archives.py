@@ -1,0 +1,103 @@
+"""Publishing commands of ``schedule-lineage``: export, verify and import of lineage archives.
+
+Imported only when one of them runs or its help is asked (see ``scheduler.cli``).
+The work is ``scheduler.export``, ``scheduler.verify`` and ``scheduler.restore``;
+here are the arguments and the words. ``verify`` prints each problem on a line of
+its own (``problem: ...``) on stderr and exits 1; an archive it cannot read at all
+is a refusal (exit 2), as is an ``import`` of an archive that does not verify.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from scheduler.cli.common import load_settings
+from scheduler.export import export_lineage
+from scheduler.output import console, warn
+from scheduler.restore import ArchiveProblems, restore
+from scheduler.verify import check
+from worker.fleet.assembly import lineage_cache, observation_store
+
+
+@click.command("export")
+@click.argument("name")
+@click.option(
+    "--to",
+    "target",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Archive to write; never replaced [NAME.ouroboros.tar.gz].",
+)
+def export_command(name: str, target: Path | None) -> None:
+    """Write lineage NAME, its observations, run records and metadata to one archive."""
+    settings = load_settings()
+    done = export_lineage(
+        name, target, lineage_cache(settings, "scheduler"), observation_store(settings)
+    )
+    for note in done.notes:
+        warn("note", note)
+    m = done.manifest
+    console.print(
+        f"exported lineage {m.lineage}: {m.generations} generations to head {m.head[:12]}, "
+        f"{done.observations} observations ({len(m.unobserved)} unobserved), {done.runs} run "
+        f"records and the metadata to {done.path}",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    console.print(
+        f"manifest sha256 {done.manifest_sha256} (publish it beside the archive)",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+@click.command("verify")
+@click.argument("archive", type=click.Path(path_type=Path, dir_okay=False))
+def verify_command(archive: Path) -> None:
+    """Check an archive alone: sums, nothing missing or extra, observations match commits."""
+    with tempfile.TemporaryDirectory(prefix="ouroboros-verify-") as scratch:
+        checked = check(archive, Path(scratch))
+    for problem in checked.problems:
+        warn("problem", problem)
+    if checked.problems or checked.manifest is None:
+        warn("error", f"{archive} does not verify: {len(checked.problems)} problems")
+        sys.exit(1)
+    m = checked.manifest
+    console.print(
+        f"verified {archive}: lineage {m.lineage}, {m.generations} generations to head "
+        f"{m.head[:12]}, {len(checked.observations)} observations ({len(m.unobserved)} "
+        f"declared unobserved), {len(checked.runs)} run records, metadata; every sum holds",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    console.print(
+        f"manifest sha256 {checked.manifest_sha256}", highlight=False, markup=False, soft_wrap=True
+    )
+
+
+@click.command("import")
+@click.argument("archive", type=click.Path(path_type=Path, dir_okay=False))
+def import_command(archive: Path) -> None:
+    """Add the lineage of an export archive, verified first, to this fleet (write-once)."""
+    settings = load_settings()
+    try:
+        done = restore(archive, settings.lineage_repo_url, observation_store(settings))
+    except ArchiveProblems as exc:
+        for problem in exc.problems:
+            warn("problem", problem)
+        raise
+    branch = "created" if done.branch_created else "already there"
+    console.print(
+        f"imported lineage {done.lineage} (branch lineage-{done.lineage} at {done.head[:12]}, "
+        f"{branch}) into {settings.lineage_repo_url}; {done.written} records written, "
+        f"{done.present} already present",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )

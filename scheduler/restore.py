@@ -1,0 +1,120 @@
+"""Importing a lineage archive into this fleet's shared repository and observation store.
+
+Owns ``schedule-lineage import FILE``: the archive is verified first
+(``scheduler.verify``; any problem refuses it and nothing is written), then the
+branch is created from its bundle (``scheduler.importer``: only if no branch of
+that name exists, as a compare-and-swap against "absent") and every observation,
+run record and the metadata object is written at its write-once key; the lineage
+index, derived data, is rebuilt from the imported observations.
+
+Importing is idempotent and never overwrites: a branch already at the archive's
+head is left as it is and a key already holding the archive's bytes is skipped, so
+importing twice changes nothing. A lineage of that name with another head, or a
+key holding other bytes, is a conflict, refused before anything is written. A
+lineage's name is written into its records (observations, metadata), so it is
+imported under the name it was exported with or not at all.
+
+Trusts: this fleet's repository and store. The archive is hostile until verified.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler.archive import BUNDLE
+from scheduler.importer import import_bundle
+from scheduler.verify import Checked, check
+from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import branch_ref, ensure_shared_repo, is_local, local_path, run_git
+from worker.instrument.keys import generation_key, index_key, metadata_key, run_key
+from worker.instrument.records import IndexEntry, LineageIndex, Observation
+from worker.instrument.store import ObservationStore
+
+
+class ArchiveProblems(Refusal):
+    """The archive did not verify; ``problems`` says why, one line each."""
+
+    def __init__(self, archive: Path, problems: list[str]) -> None:
+        super().__init__(
+            f"{archive} does not verify ({len(problems)} problems); nothing was imported"
+        )
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class Restored:
+    lineage: str
+    head: str
+    branch_created: bool
+    written: int
+    present: int
+
+
+def restore(archive: Path, repo_url: str, store: ObservationStore) -> Restored:
+    if not is_local(repo_url):
+        raise Refusal(f"import writes to a local shared repository; {repo_url} is remote")
+    with tempfile.TemporaryDirectory(prefix="ouroboros-import-") as scratch:
+        checked = check(archive, Path(scratch))
+        if checked.problems or checked.manifest is None or checked.metadata is None:
+            raise ArchiveProblems(archive, checked.problems)
+        name, head = checked.manifest.lineage, checked.manifest.head
+        objects = _objects(checked)
+        ensure_shared_repo(repo_url)
+        existing = _head(local_path(repo_url), name)
+        if existing is not None and existing != head:
+            raise Refusal(
+                f"lineage {name} already exists here at {existing[:12]}, not at the archive's "
+                f"head {head[:12]}; a lineage keeps its name, so this archive cannot be imported "
+                "into this fleet"
+            )
+        missing = _missing_keys(name, objects, store)
+        if existing is None:
+            import_bundle(checked.unpacked.members[BUNDLE], name, repo_url)
+        for key in missing:
+            store.put_once(key, objects[key])
+        _rebuild_index(name, checked, store)
+    return Restored(name, head, existing is None, len(missing), len(objects) - len(missing))
+
+
+def _objects(checked: Checked) -> dict[str, bytes]:
+    assert checked.manifest is not None and checked.metadata is not None
+    name = checked.manifest.lineage
+    objects = {metadata_key(name): checked.metadata}
+    objects.update({generation_key(name, n): raw for n, raw in checked.observations.items()})
+    objects.update({run_key(name, run_id): raw for run_id, raw in checked.runs.items()})
+    return objects
+
+
+def _head(repo: Path, name: str) -> str | None:
+    found = run_git(repo, "rev-parse", "--verify", "--quiet", branch_ref(name), check=False)
+    return found.stdout.decode().strip() if found.returncode == 0 else None
+
+
+def _missing_keys(name: str, objects: dict[str, bytes], store: ObservationStore) -> list[str]:
+    """Keys the store lacks; a Refusal, before anything is written, if one holds other bytes."""
+    missing = []
+    for key, data in objects.items():
+        held = store.get(key)
+        if held is None:
+            missing.append(key)
+        elif held != data:
+            raise Refusal(
+                f"the observation store {store.url} already holds {key} with other content; "
+                f"records of another lineage {name} are there, so this archive cannot be "
+                "imported into this fleet"
+            )
+    return missing
+
+
+def _rebuild_index(name: str, checked: Checked, store: ObservationStore) -> None:
+    entries = [
+        IndexEntry.of(Observation.model_validate_json(raw))
+        for _, raw in sorted(checked.observations.items())
+    ]
+    if not entries:
+        return  # as the exporting fleet had it: an index is written by a first observation
+    rebuilt = LineageIndex(lineage=name, generations=entries).model_dump_json().encode()
+    if store.get(index_key(name)) != rebuilt:
+        store.put(index_key(name), rebuilt)
