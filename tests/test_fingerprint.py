@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_fleet import copy_instrument
+from lineage_support import copy_instrument
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
 
@@ -34,7 +34,7 @@ def fingerprint(root: Path) -> str:
 
 
 def test_a_plumbing_setting_change_leaves_the_fingerprint_alone(tmp_path: Path) -> None:
-    copy = copy_instrument(tmp_path / "copy")
+    copy = copy_instrument(PACKAGE_ROOT, tmp_path / "copy")
     before = fingerprint(copy)
     settings = copy / "worker" / "fleet" / "settings.py"
     text = settings.read_text()
@@ -49,7 +49,7 @@ def test_a_plumbing_setting_change_leaves_the_fingerprint_alone(tmp_path: Path) 
 def test_an_edit_anywhere_in_the_instrument_folder_changes_the_fingerprint(
     tmp_path: Path,
 ) -> None:
-    copy = copy_instrument(tmp_path / "copy")
+    copy = copy_instrument(PACKAGE_ROOT, tmp_path / "copy")
     before = fingerprint(copy)
     with (copy / "worker" / "instrument" / "names.py").open("a") as names:
         names.write("\n# a comment is bytes too\n")

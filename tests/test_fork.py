@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet
-from test_fleet import copy_instrument
+from lineage_support import SMALL_PHYSICS, Fleet, copy_instrument
 from test_pipeline import push_hand_commit, run_one
 
 from worker.fleet import embedded_redis
@@ -110,7 +109,7 @@ def test_a_fork_of_a_real_death_starts_from_the_restored_body(tmp_path: Path) ->
 
 
 def test_a_fork_carries_a_lineage_across_a_changed_instrument(lived: Fleet, tmp_path: Path) -> None:
-    changed = copy_instrument(tmp_path / "changed-instrument")
+    changed = copy_instrument(PACKAGE_ROOT, tmp_path / "changed-instrument")
     with (changed / "sandbox_scripts" / "stage.sh").open("a") as runner:
         runner.write("\n# the next instrument\n")
     assert (changed / "sandbox_scripts" / "stage.sh").read_bytes() != (
