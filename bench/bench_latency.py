@@ -41,8 +41,10 @@ from common import (
     SMALL_PHYSICS,
     BenchFleet,
     bench_args,
+    floor_argv,
     machine_note,
     median,
+    run_floor,
     spread,
     verdict,
 )
@@ -54,48 +56,6 @@ ORGANISM = (
 )
 POLL_SECONDS = 0.002
 LANDING_TIMEOUT = 120.0
-
-
-def floor_argv(seed: Path) -> list[str]:
-    """bwrap + emacs with the worker's isolation flags, no kernel, no staging, no scope."""
-    from worker.instrument.sandbox import SANDBOX_PATH, USR_SYMLINKS, resolve_emacs
-
-    return [
-        "bwrap",
-        "--clearenv",
-        *("--setenv", "HOME", "/work", "--setenv", "PATH", SANDBOX_PATH),
-        "--unshare-all",
-        "--unshare-net",
-        "--unshare-user",
-        "--disable-userns",
-        *("--hostname", "ouroboros"),
-        "--new-session",
-        "--die-with-parent",
-        *("--cap-drop", "ALL"),
-        *("--ro-bind", "/usr", "/usr"),
-        *(item for link, target in USR_SYMLINKS.items() for item in ("--symlink", target, link)),
-        *("--proc", "/proc", "--dev", "/dev"),
-        *("--size", str(256 << 20), "--tmpfs", "/work"),
-        *("--size", str(64 << 20), "--tmpfs", "/tmp"),
-        *("--ro-bind", str(seed), "/work/organism.el"),
-        *("--remount-ro", "/"),
-        *("--chdir", "/work"),
-        "--",
-        str(resolve_emacs()),
-        "-Q",
-        "--batch",
-        "-l",
-        "/work/organism.el",
-    ]
-
-
-def run_floor(argv: list[str]) -> float:
-    started = time.monotonic()
-    result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True)
-    elapsed = time.monotonic() - started
-    if result.returncode != 0 or b"hi" not in result.stderr:
-        raise RuntimeError(f"floor run failed ({result.returncode}): {result.stderr[-500:]!r}")
-    return elapsed
 
 
 class Landing:
