@@ -219,7 +219,7 @@ def _init_bare(path: Path) -> None:
         repo.config[name] = value
 
 
-def _in_process_path(url: str) -> Path | None:
+def local_repository(url: str) -> Path | None:
     """The shared repository's path if this process opens it itself, else None.
 
     A local path or ``file://`` URL; never ``host:path`` (git's scp-like ssh syntax:
@@ -294,7 +294,7 @@ class LineageCache:
             cache_dir.mkdir(parents=True, exist_ok=True)
             _init_bare(cache_dir)
         self.repo = pygit2.Repository(str(cache_dir))
-        self._shared_path = _in_process_path(remote_url)
+        self._shared_path = local_repository(remote_url)
         self._shared_repo: pygit2.Repository | None = None
 
     def git(self, *args: str, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
