@@ -15,19 +15,22 @@ from __future__ import annotations
 from collections import Counter
 from decimal import Decimal
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from celery import Celery
 from pydantic import BaseModel
 
 from worker.fleet import embedded_redis, leases
-from worker.fleet.app import client_app, sender
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
+from worker.instrument.job import GenerationJob
 from worker.instrument.lineage import root_metadata
 from worker.instrument.records import DEATHS
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 INSPECT_TIMEOUT_SECONDS = 1.5
 
@@ -60,6 +63,9 @@ class Fleet:
 
     @cached_property
     def app(self) -> Celery:
+        # Celery is imported with the client, which only sending and asking workers need.
+        from worker.fleet.app import client_app
+
         return client_app(self.settings)
 
     @cached_property
@@ -69,8 +75,14 @@ class Fleet:
             store=observation_store(self.settings),
             cache=lineage_cache(self.settings, "scheduler"),
             client=leases.redis_client(self.settings),
-            send=sender(self.app),
+            send=self._send,
         )
+
+    def _send(self, job: GenerationJob, job_id: str, queue: str, time_limit: int) -> None:
+        # The Celery client is built at the first job sent, not for a command that sends none.
+        from worker.fleet.app import sender
+
+        sender(self.app)(job, job_id, queue, time_limit)
 
     def served_queues(self) -> set[str] | None:
         """Queues some live worker consumes, or None when no worker answered."""
@@ -97,7 +109,6 @@ class Fleet:
         except Refusal:
             queue = None  # an imported lineage: browsable, never run by this fleet
         in_flight = leases.in_flight(planner.client, lineage)
-        wants_more = progress is not None and progress.stopped is None
         return LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -115,11 +126,35 @@ class Fleet:
             stopped=progress.stopped if progress else None,
             blocked=leases.blocked(planner.client, lineage),
             queue=queue,
-            waiting_for_instrument=bool(
-                wants_more and queue and served is not None and queue not in served
+            waiting_for_instrument=_waiting(
+                queue, progress is not None and progress.stopped is None, served
             ),
         )
 
     def statuses(self, names: list[str] | None = None) -> list[LineageStatus]:
+        """The status of each lineage (every one by default).
+
+        The live workers are asked which queues they serve (a broadcast that waits out
+        its whole timeout) only when some lineage has a run still wanting generations:
+        for any other, no worker could be missing.
+        """
+        rows = [self.status(name, None) for name in (names or self.planner.lineages())]
+        if not any(row.run_id is not None and row.stopped is None for row in rows):
+            return rows
         served = self.served_queues()
-        return [self.status(name, served) for name in (names or self.planner.lineages())]
+        return [
+            row.model_copy(
+                update={"waiting_for_instrument": _waiting(row.queue, _wants_more(row), served)}
+            )
+            for row in rows
+        ]
+
+
+def _wants_more(row: LineageStatus) -> bool:
+    """Whether the lineage has a run that has not stopped."""
+    return row.run_id is not None and row.stopped is None
+
+
+def _waiting(queue: str | None, wants_more: bool, served: set[str] | None) -> bool:
+    """A run wants generations of a queue that no live worker serves (None: unknown)."""
+    return bool(wants_more and queue and served is not None and queue not in served)
