@@ -296,6 +296,8 @@ class LineageCache:
         self.repo = pygit2.Repository(str(cache_dir))
         self._shared_path = local_repository(remote_url)
         self._shared_repo: pygit2.Repository | None = None
+        if self._shared_path is not None and (self._shared_path / "HEAD").exists():
+            self._shared()
 
     def git(self, *args: str, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
         return run_git(self.git_dir, *args, **kwargs)  # type: ignore[arg-type]
@@ -304,13 +306,39 @@ class LineageCache:
         return f"refs/remotes/shared/{BRANCH_PREFIX}{lineage}"
 
     def _shared(self) -> pygit2.Repository:
-        """The local shared repository, opened once; a Refusal if it cannot be."""
+        """The local shared repository, opened once; a Refusal if it cannot be.
+
+        Its objects are the cache's too: listed in the cache's ``objects/info/alternates``
+        (so git itself, repacking the cache, sees them), and new objects are written
+        straight into it (``_objects``), once, rather than into the cache and copied.
+        """
         if self._shared_repo is None:
             try:
                 self._shared_repo = pygit2.Repository(str(self._shared_path))
             except (pygit2.GitError, KeyError) as exc:
                 raise self._unreadable(str(exc)) from None
+            objects = str(Path(self._shared_repo.path).resolve() / "objects")
+            if objects != str((self.git_dir / "objects").resolve()):
+                alternates = self.git_dir / "objects" / "info" / "alternates"
+                if not alternates.exists() or alternates.read_text().strip() != objects:
+                    alternates.parent.mkdir(parents=True, exist_ok=True)
+                    staged = alternates.with_name(f"alternates.{os.getpid()}")
+                    staged.write_text(f"{objects}\n")
+                    staged.replace(alternates)
+                self.repo.odb.add_disk_alternate(objects)
         return self._shared_repo
+
+    def _objects(self) -> pygit2.Repository:
+        """Where new objects are written: a local shared repository that exists, else the
+        cache (whose objects a push copies).
+
+        An object written there before its push loses a race is merely unreachable:
+        no ref names it and the scheduled gc prunes it (deploy/README.md, "Repacking").
+        """
+        local = self._shared_path
+        if local is not None and (self._shared_repo is not None or (local / "HEAD").exists()):
+            return self._shared()
+        return self.repo
 
     def _unreadable(self, why: str) -> Refusal:
         return Refusal(
@@ -511,7 +539,7 @@ class LineageCache:
             yield before or Entry("000000", "0" * 40), str(parent.id)
 
     def hash_bytes(self, data: bytes) -> str:
-        return str(self.repo.create_blob(data))
+        return str(self._objects().create_blob(data))
 
     def hash_files(self, paths: list[Path]) -> list[str]:
         """Write many files as blobs, in order."""
@@ -545,11 +573,12 @@ class LineageCache:
                 else (name, int(child.mode, 8), pygit2.Oid(hex=child.sha))  # type: ignore[attr-defined]
                 for name, child in node.items()
             ]
-            return self.repo.odb.write(ObjectType.TREE, _tree_object(items))
+            return objects.odb.write(ObjectType.TREE, _tree_object(items))
 
+        objects = self._objects()
         signature = pygit2.Signature(IDENTITY["GIT_AUTHOR_NAME"], IDENTITY["GIT_AUTHOR_EMAIL"])
         parents = [pygit2.Oid(hex=parent)] if parent else []
-        made = self.repo.create_commit(
+        made = objects.create_commit(
             None, signature, signature, f"{message}\n", write(root), parents
         )
         return str(made)
