@@ -1,7 +1,9 @@
 """Commands that make and drive lineages: ``init``, ``run``, ``cancel``, ``reconcile``.
 
 Imported only when one of them runs (see ``scheduler.cli``); ``run --local`` builds
-the same pipeline the Celery task runs, through ``worker.fleet.assembly``.
+the same pipeline the Celery task runs, through ``worker.fleet.assembly``. The
+broker's side (Redis, the planner, the progress display) is imported by the commands
+that talk to the fleet, so ``run --local`` never pays for it.
 """
 
 from __future__ import annotations
@@ -12,16 +14,11 @@ from decimal import Decimal
 from pathlib import Path
 
 import click
-import redis
-from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
 from scheduler.cli.common import USD, load_settings
-from scheduler.follow import describe, watch
 from scheduler.output import console, warn
-from scheduler.status import Fleet
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
-from worker.fleet.runs import job_of
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
@@ -125,6 +122,10 @@ def run(
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
+    from scheduler.follow import describe, watch
+    from scheduler.status import Fleet
+    from worker.fleet.runs import job_of
+
     require_known(provider)
     fleet = Fleet(settings)
     planner = fleet.planner
@@ -190,6 +191,8 @@ def run_local(
 @click.argument("name")
 def cancel(name: str) -> None:
     """Stop NAME's run after the generation in flight (if any) lands."""
+    from scheduler.status import Fleet
+
     settings = load_settings()
     check_name(name)
     cancelled = Fleet(settings).planner.cancel(name)
@@ -204,6 +207,11 @@ def cancel(name: str) -> None:
 )
 def reconcile(loop: bool) -> None:
     """Re-enqueue every lineage whose run wants more and has nothing in flight."""
+    import redis
+    from kombu.exceptions import OperationalError
+
+    from scheduler.status import Fleet
+
     settings = load_settings()
     fleet = Fleet(settings)
     if not loop:
