@@ -196,3 +196,16 @@ def test_repack_packs_what_generations_left_loose(tmp_path: Path) -> None:
     # Generations go on from packed objects.
     fleet.ok("run", "packed", "--local", "--generations", "1")
     assert fleet.subjects("packed")[0].startswith("gen 3: ")
+
+
+@pytest.mark.root
+def test_a_shared_repository_of_another_account_opens_as_with_git(
+    shared: Path, tmp_path: Path
+) -> None:
+    """The operator's shell beside the ``ouroboros`` service: ownership is not checked
+    for a repository named by the settings (it is never discovered)."""
+    seed = seeded(LineageCache(tmp_path / "first", str(shared)), "owned")
+    subprocess.run(["chown", "-R", "54321:54321", str(shared)], check=True)
+    cache = LineageCache(tmp_path / "operator", str(shared))
+    assert cache.fetch("owned") == seed
+    assert cache.push_cas("owned", child(cache, seed, b"(next)\n"), seed)

@@ -77,6 +77,10 @@ _SAFE_CONFIG = (
 )
 # The same promise for what this process writes through libgit2.
 pygit2.option(Option.ENABLE_FSYNC_GITDIR, True)
+# Repositories are opened at paths from the settings, never discovered, and libgit2
+# runs nothing a repository's config names; as ``git --git-dir`` does, a repository
+# owned by another account (the operator's shell beside the ``ouroboros`` service) opens.
+pygit2.option(Option.SET_OWNER_VALIDATION, False)
 # Configuration of every repository this module creates: no automatic gc anywhere,
 # including a receive-pack that a plain ``git push`` of an operator starts.
 _REPO_CONFIG = {"gc.auto": "0", "maintenance.auto": "false", "receive.autogc": "false"}
@@ -199,10 +203,8 @@ def local_path(url: str) -> Path:
 
 def ensure_shared_repo(url: str) -> None:
     """Create the shared bare repository if it is a local path that does not exist yet."""
-    if not is_local(url):
-        return
-    path = local_path(url)
-    if (path / "HEAD").exists():
+    path = local_repository(url)
+    if path is None or (path / "HEAD").exists():
         return
     if path.exists() and any(path.iterdir()):
         raise Refusal(
