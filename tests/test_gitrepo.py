@@ -63,9 +63,10 @@ def test_a_push_that_lost_the_race_is_refused_and_the_winner_stays(
     assert not two.branch_contains("race", loser)
     # A creation is a compare-and-swap against "absent": refused once the branch exists.
     assert not two.push_cas("race", loser, None)
-    # Moving back to an older head is fine when the expected head is the current one.
-    assert two.push_cas("race", seed, winner)
-    assert git(shared, "rev-parse", branch_ref("race")) == seed
+    # Not a fast-forward: refused even with the right expected head, the branch kept.
+    assert not two.push_cas("race", seed, winner)
+    assert not two.push_cas("race", loser, winner)
+    assert git(shared, "rev-parse", branch_ref("race")) == winner
 
 
 def test_a_push_while_another_writer_holds_the_branch_is_refused(

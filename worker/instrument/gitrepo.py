@@ -21,7 +21,8 @@ The shared repository is reached two ways:
   the receiving side's ref transaction.
 
 Either way a push moves the branch only from the expected head, and one that loses
-a race is reported as lost (``push_cas`` returns False), never retried here.
+a race is reported as lost (``push_cas`` returns False), never retried here; in
+process, one that would not fast-forward from the expected head fails too.
 
 Trusts: libgit2, the git binary and the configured remote. Treats every path and
 byte of lineage content as data.
@@ -597,7 +598,13 @@ class LineageCache:
         return landed
 
     def _swap(self, ref: str, new: str, expected: str | None) -> bool:
-        """The in-process push: objects first, then the branch under its lock."""
+        """The in-process push: objects first, then the branch under its lock.
+
+        Only a fast-forward: ``new`` must descend from ``expected``, as every
+        generation's commit does from its parent; a lineage's branch never moves back.
+        """
+        if expected is not None and not self.is_ancestor(expected, new):
+            return False
         shared = self._shared()
         copy_objects(self.repo, shared, new)
         try:
