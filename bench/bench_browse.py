@@ -36,7 +36,8 @@ from scheduler.web.app import create_app
 from worker.fleet.runs import RunRecord
 from worker.fleet.settings import Settings
 from worker.instrument import journal
-from worker.instrument.keys import generation_key, index_key, metadata_key, run_key
+from worker.instrument.index import segment_of
+from worker.instrument.keys import generation_key, index_segment_key, metadata_key, run_key
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH
 from worker.instrument.physics import Physics
@@ -235,9 +236,13 @@ def build_store(base: Path, commits: dict[int, tuple[str, str]]) -> None:
         )
         write(generation_key(NAME, generation), observation.model_dump_json(by_alias=True).encode())
         entries.append(IndexEntry.of(observation))
-    write(
-        index_key(NAME), LineageIndex(lineage=NAME, generations=entries).model_dump_json().encode()
-    )
+    # The index in segments, as publication writes it (worker.instrument.index).
+    for segment in sorted({segment_of(e.generation) for e in entries}):
+        part = [e for e in entries if segment_of(e.generation) == segment]
+        write(
+            index_segment_key(NAME, segment),
+            LineageIndex(lineage=NAME, generations=part).model_dump_json().encode(),
+        )
     run = RunRecord(
         run_id="bench-run",
         lineage=NAME,
@@ -301,9 +306,14 @@ def land_generation(repo: Path, store_base: Path, generation: int) -> None:
         },
     ).stdout.strip()
     subprocess.run([*git, "update-ref", ref, commit, parent], check=True)
-    path = store_base / index_key(NAME)
-    index = LineageIndex.model_validate_json(path.read_bytes())
-    last = index.generations[-1]
+    path = store_base / index_segment_key(NAME, segment_of(generation))
+    previous = store_base / index_segment_key(NAME, segment_of(generation - 1))
+    last = LineageIndex.model_validate_json(previous.read_bytes()).generations[-1]
+    index = (
+        LineageIndex.model_validate_json(path.read_bytes())
+        if path.exists()
+        else LineageIndex(lineage=NAME)
+    )
     entry = last.model_copy(
         update={
             "generation": generation,

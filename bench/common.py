@@ -34,20 +34,32 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 # The fleet harness lives with the tests (they import it from there): one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from lineage_support import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, seed_file, wait_for
+from lineage_support import (
+    SMALL_PHYSICS,
+    Fleet,
+    PrivateRedis,
+    Worker,
+    helper_name,
+    seed_file,
+    wait_for,
+)
 
 __all__ = [
     "PYTHON",
     "SMALL_PHYSICS",
     "BenchFleet",
     "bench_args",
+    "floor_argv",
+    "helper_name",
     "machine_note",
     "median",
+    "run_floor",
     "spread",
     "verdict",
     "wait_for",
@@ -212,6 +224,56 @@ def bench_args(description: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary fleet home")
     return parser
+
+
+# -- the floor: the organism in the sandbox and nothing else ---------------------------
+
+
+def floor_argv(seed: Path, *, tar: bool = False) -> list[str]:
+    """bwrap + emacs with the worker's isolation flags, no kernel, no staging, no scope.
+
+    With ``tar`` the life's /work is also written out as a tar to stdout after the
+    organism exits 0, as the staging runner does for the worker.
+    """
+    from worker.instrument.sandbox import SANDBOX_PATH, USR_SYMLINKS, resolve_emacs
+
+    emacs = [str(resolve_emacs()), "-Q", "--batch", "-l", "/work/organism.el"]
+    program = (
+        ["/bin/sh", "-c", '"$@" && exec tar -cf - -C /work .', "floor", *emacs] if tar else emacs
+    )
+    return [
+        "bwrap",
+        "--clearenv",
+        *("--setenv", "HOME", "/work", "--setenv", "PATH", SANDBOX_PATH),
+        "--unshare-all",
+        "--unshare-net",
+        "--unshare-user",
+        "--disable-userns",
+        *("--hostname", "ouroboros"),
+        "--new-session",
+        "--die-with-parent",
+        *("--cap-drop", "ALL"),
+        *("--ro-bind", "/usr", "/usr"),
+        *(item for link, target in USR_SYMLINKS.items() for item in ("--symlink", target, link)),
+        *("--proc", "/proc", "--dev", "/dev"),
+        *("--size", str(256 << 20), "--tmpfs", "/work"),
+        *("--size", str(64 << 20), "--tmpfs", "/tmp"),
+        *("--ro-bind", str(seed), "/work/organism.el"),
+        *("--remount-ro", "/"),
+        *("--chdir", "/work"),
+        "--",
+        *program,
+    ]
+
+
+def run_floor(argv: list[str]) -> float:
+    """One floor life, timed around the process; it must print "hi" and exit 0."""
+    started = time.monotonic()
+    result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True)
+    elapsed = time.monotonic() - started
+    if result.returncode != 0 or b"hi" not in result.stderr:
+        raise RuntimeError(f"floor run failed ({result.returncode}): {result.stderr[-500:]!r}")
+    return elapsed
 
 
 # -- reporting ---------------------------------------------------------------------------

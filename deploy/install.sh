@@ -268,7 +268,8 @@ user_units="$home/.config/systemd/user"
 install -d -m 0755 -o "$uid" -g "$gid" "$(R $home/.config)" "$(R $home/.config/systemd)" \
   "$(R "$user_units")" "$(R "$user_units/ouroboros-worker.service.d")" \
   "$(R "$user_units/ouroboros-worker@.service.d")" "$(R "$user_units/ouroboros-doctor.service.d")"
-for unit in ouroboros-worker.service ouroboros-worker@.service ouroboros-doctor.service; do
+for unit in ouroboros-worker.service ouroboros-worker@.service ouroboros-doctor.service \
+  ouroboros-repack.service ouroboros-repack.timer; do
   install -m 0644 -o "$uid" -g "$gid" "$here/systemd/$unit" "$(R "$user_units/$unit")"
 done
 install -d -m 0755 "$(R "/etc/systemd/system/user@$uid.service.d")" \
@@ -329,6 +330,9 @@ if want worker; then
   install -d -m 0755 -o "$uid" -g "$gid" "$(R "$user_units/default.target.wants")"
   ln -sfn ../ouroboros-worker.service "$(R "$user_units/default.target.wants/ouroboros-worker.service")"
   chown -h "$uid:$gid" "$(R "$user_units/default.target.wants/ouroboros-worker.service")"
+  install -d -m 0755 -o "$uid" -g "$gid" "$(R "$user_units/timers.target.wants")"
+  ln -sfn ../ouroboros-repack.timer "$(R "$user_units/timers.target.wants/ouroboros-repack.timer")"
+  chown -h "$uid:$gid" "$(R "$user_units/timers.target.wants/ouroboros-repack.timer")"
 fi
 for c in reconciler web; do
   if want "$c"; then

@@ -54,6 +54,7 @@ from worker.fleet.runs import Progress, RunRecord, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import GitError, is_local, local_path
+from worker.instrument.index import merged, segment_keys
 from worker.instrument.keys import generation_key, index_key
 from worker.instrument.lineage import NAME_PATTERN, LineageMetadata
 from worker.instrument.names import BRANCH_PREFIX, JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH
@@ -115,7 +116,7 @@ class History:
 class IndexView:
     """A parsed index object with the derived figures every view needs."""
 
-    raw: bytes
+    raw: tuple[bytes, ...]  # every index object it was built from, in order
     entries: dict[int, IndexEntry]
     spent_usd: Decimal
     series: list[Series]
@@ -130,6 +131,7 @@ class Reader:
         self._lock = threading.Lock()
         self._histories: dict[str, History] = {}
         self._indexes: dict[str, IndexView] = {}
+        self._index_parts: dict[str, tuple[bytes, list[IndexEntry]]] = {}
 
     # -- lineages -------------------------------------------------------------
 
@@ -371,26 +373,56 @@ class Reader:
         )
 
     def _index(self, name: str) -> IndexView | None:
-        """The lineage's index object, parsed once per distinct content."""
-        raw = self.store.get(index_key(name))
-        if raw is None:
+        """The lineage's index: its segments and any pre-segment index object, each
+        parsed once per distinct content, the view rebuilt only when one changed.
+
+        A segment older than the last two is rewritten only by a rare repair
+        (``worker.instrument.index``), so once read it is served from this cache; the
+        last two, and the whole-history object of a lineage from before segments, are
+        read on every call. A damaged object reads as absent, figures and all.
+        """
+        keys = segment_keys(self.store, name)
+        recent = set(sorted(keys)[-2:])
+        parts = [self._index_part(index_key(name), name, fresh=True)]
+        parts += [
+            self._index_part(key, name, fresh=segment in recent)
+            for segment, key in sorted(keys.items())
+        ]
+        found = [part for part in parts if part is not None]
+        if not found:
             return None
+        signature = tuple(raw for raw, _ in found)
         cached = self._indexes.get(name)
-        if cached is not None and cached.raw == raw:
+        if cached is not None and cached.raw == signature:
             return cached
-        try:
-            parsed = LineageIndex.model_validate_json(raw)
-        except ValidationError:
-            return None  # derived data: a damaged index reads as absent, figures and all
-        entries = {entry.generation: entry for entry in parsed.generations}
+        entries = merged(name, *(part for _, part in found)).generations
         view = IndexView(
-            raw=raw,
-            entries=entries,
-            spent_usd=sum((e.spent_usd for e in parsed.generations), Decimal(0)),
-            series=_series(parsed.generations),
+            raw=signature,
+            entries={entry.generation: entry for entry in entries},
+            spent_usd=sum((e.spent_usd for e in entries), Decimal(0)),
+            series=_series(entries),
         )
         self._indexes[name] = view
         return view
+
+    def _index_part(
+        self, key: str, name: str, *, fresh: bool
+    ) -> tuple[bytes, list[IndexEntry]] | None:
+        """One index object's raw bytes and entries; None if absent or damaged."""
+        cached = self._index_parts.get(key)
+        if cached is not None and not fresh:
+            return cached
+        raw = self.store.get(key)
+        if raw is None:
+            return None
+        if cached is not None and cached[0] == raw:
+            return cached
+        try:
+            part = (raw, LineageIndex.parse(raw, name).generations)
+        except ValidationError:
+            return None
+        self._index_parts[key] = part
+        return part
 
     def _observation(self, name: str, commit: Commit) -> Observation | None:
         assert commit.generation is not None

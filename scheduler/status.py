@@ -17,21 +17,24 @@ from __future__ import annotations
 from collections import Counter
 from decimal import Decimal
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from celery import Celery
 from pydantic import BaseModel
 
 from scheduler.genealogy import Genealogy, genealogy
 from scheduler.liveness import Workers, ask, start_hint, waiting_line
 from worker.fleet import embedded_redis, leases
-from worker.fleet.app import client_app, sender
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
+from worker.instrument.job import GenerationJob
 from worker.instrument.lineage import LineageMetadata, root_metadata
 from worker.instrument.records import DEATHS
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 
 class LineageStatus(BaseModel):
@@ -70,6 +73,9 @@ class Fleet:
 
     @cached_property
     def app(self) -> Celery:
+        # Celery is imported with the client, which only sending and asking workers need.
+        from worker.fleet.app import client_app
+
         return client_app(self.settings)
 
     @cached_property
@@ -79,8 +85,14 @@ class Fleet:
             store=observation_store(self.settings),
             cache=lineage_cache(self.settings, "scheduler"),
             client=leases.redis_client(self.settings),
-            send=sender(self.app),
+            send=self._send,
         )
+
+    def _send(self, job: GenerationJob, job_id: str, queue: str, time_limit: int) -> None:
+        # The Celery client is built at the first job sent, not for a command that sends none.
+        from worker.fleet.app import sender
+
+        sender(self.app)(job, job_id, queue, time_limit)
 
     def workers(self, until_served: set[str] | None = None) -> Workers:
         """The live workers and the queues they serve, as the broker reports them now.
@@ -103,7 +115,8 @@ class Fleet:
         )
         return waiting_line(meta.name, queue, workers, hint)
 
-    def status(self, lineage: str, workers: Workers) -> LineageStatus:
+    def status(self, lineage: str, workers: Workers | None = None) -> LineageStatus:
+        """``lineage``'s status; without ``workers`` (not asked), nothing about liveness."""
         planner = self.planner
         head = planner.cache.fetch(lineage)
         if head is None:
@@ -115,9 +128,7 @@ class Fleet:
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
         in_flight = leases.in_flight(planner.client, lineage)
-        wants_more = progress is not None and progress.stopped is None
-        waiting = self.waiting(meta, workers) if meta and wants_more else None
-        return LineageStatus(
+        row = LineageStatus(
             lineage=lineage,
             generation=generation,
             run_id=run.run_id if run else None,
@@ -135,13 +146,25 @@ class Fleet:
             blocked=leases.blocked(planner.client, lineage),
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
-            workers=workers.serving(queue) if queue and workers.reachable else None,
-            other_instrument_workers=[w.hostname for w in workers.elsewhere(queue)]
-            if queue
-            else [],
-            waiting_for_instrument=waiting is not None,
-            waiting=waiting,
+            workers=None,
+            other_instrument_workers=[],
+            waiting_for_instrument=False,
+            waiting=None,
             genealogy=genealogy(lineage, self.metadata),
+        )
+        return self._live(row, meta, workers) if meta and workers else row
+
+    def _live(self, row: LineageStatus, meta: LineageMetadata, workers: Workers) -> LineageStatus:
+        """``row`` with which live workers serve its queue, and what a waiting user is told."""
+        queue = queue_of(meta)
+        waiting = self.waiting(meta, workers) if _wants_more(row) else None
+        return row.model_copy(
+            update={
+                "workers": workers.serving(queue) if workers.reachable else None,
+                "other_instrument_workers": [w.hostname for w in workers.elsewhere(queue)],
+                "waiting_for_instrument": waiting is not None,
+                "waiting": waiting,
+            }
         )
 
     @cached_property
@@ -161,5 +184,22 @@ class Fleet:
             return None  # an imported lineage: browsable, never run by this fleet
 
     def statuses(self, names: list[str] | None = None) -> list[LineageStatus]:
+        """The status of each lineage (every one by default).
+
+        The live workers are asked which queues they serve (a broadcast that waits out
+        its whole timeout) only when some lineage has a run still wanting generations:
+        for any other, no worker could be missing.
+        """
+        rows = [self.status(name) for name in (names or self.planner.lineages())]
+        if not any(_wants_more(row) for row in rows):
+            return rows
         workers = self.workers()
-        return [self.status(name, workers) for name in (names or self.planner.lineages())]
+        return [
+            self._live(row, meta, workers) if (meta := self.metadata.get(row.lineage)) else row
+            for row in rows
+        ]
+
+
+def _wants_more(row: LineageStatus) -> bool:
+    """Whether the lineage has a run that has not stopped."""
+    return row.run_id is not None and row.stopped is None

@@ -127,8 +127,8 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
     tree[JOURNAL_PATH] = blob(log)
     gen2 = land(dict(tree), journal.subject_died(2, 255))
     observations = [
-        _observation(name, 1, gen1_parent, gen1, "changed", when, ""),
-        _observation(name, 2, gen2_parent, gen2, "process_exit", when, stderr),
+        sample_observation(name, 1, gen1_parent, gen1, "changed", when, ""),
+        sample_observation(name, 2, gen2_parent, gen2, "process_exit", when, stderr),
     ]
     for observation in observations:
         store.put_once(
@@ -139,7 +139,7 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
     store.put(index_key(name), index.model_dump_json().encode())
 
 
-def _observation(
+def sample_observation(
     name: str,
     generation: int,
     parent: str,

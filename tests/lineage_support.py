@@ -10,7 +10,8 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
 * ``Worker``: a real ``celery -A worker worker`` process in its own process group,
   stopped or killed by its own pid;
 * ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port;
-* ``free_port``, ``wait_for``, ``seed_file``, ``copy_instrument``.
+* ``free_port``, ``wait_for``, ``seed_file``, ``copy_instrument``;
+* ``helper_name``: what ``Fleet.traced`` reports a spawned process as.
 
 Imports nothing of ``worker`` or ``scheduler``: a benchmark must be able to load it
 before it chooses which copy of the instrument its process imports.
@@ -21,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +40,10 @@ INSTRUMENT_COMMIT = "a" * 40
 SMALL_PHYSICS = ["--wall", "60", "--cpu-seconds", "60", "--memory-max", "512M"]
 
 T = TypeVar("T")
+
+_EXECVE = re.compile(r'execve\("[^"]*", \[(.*?)\](?:, | \.\.\.).*= 0$')
+_CLONE = re.compile(r"^(?:<\.\.\. )?(?:clone3?|v?fork)[( ].*= (\d+)$")
+_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
 def free_port() -> int:
@@ -118,6 +125,23 @@ class Fleet:
             )
         return result
 
+    def traced(self, *args: str, timeout: float = 600) -> list[list[str]]:
+        """Run ``ok(*args)`` under ``strace -f``; the argv of every process it started
+        outside a sandbox (a ``bwrap`` and its descendants are a life), in no order."""
+        with tempfile.TemporaryDirectory(prefix="ouro-strace-") as scratch:
+            prefix = Path(scratch) / "trace"
+            command = [sys.executable, "-m", "scheduler", *args]
+            trace = ["-e", "trace=execve,clone,clone3,fork,vfork", "-o", str(prefix)]
+            subprocess.run(
+                ["strace", "-f", "-ff", "-qq", "-s", "200", *trace, *command],
+                env=self.env,
+                cwd=self.home,
+                capture_output=True,
+                check=True,
+                timeout=timeout,
+            )
+            return _helpers(Path(scratch))
+
     def git(self, *args: str) -> str:
         return subprocess.run(
             ["git", f"--git-dir={self.repo}", *args], capture_output=True, text=True, check=True
@@ -146,6 +170,52 @@ class Fleet:
     def observation_numbers(self, lineage: str) -> list[int]:
         directory = self.observations / "lineages" / lineage / "generations"
         return sorted(int(p.stem) for p in directory.glob("*.json")) if directory.exists() else []
+
+
+def _helpers(trace_dir: Path) -> list[list[str]]:
+    """Processes outside a sandbox in ``strace -ff`` files (one per process: ``trace.PID``).
+
+    The traced command itself is the one process that no clone in the trace started.
+    """
+    programs: dict[int, list[str]] = {}
+    parent: dict[int, int] = {}
+    for path in trace_dir.iterdir():
+        pid = int(path.name.rsplit(".", 1)[1])
+        for line in path.read_text(errors="replace").splitlines():
+            if (execve := _EXECVE.search(line)) is not None:
+                programs[pid] = _STRING.findall(execve[1])
+            elif (clone := _CLONE.match(line)) is not None:
+                parent[int(clone[1])] = pid
+
+    def life(pid: int) -> bool:
+        argv = programs.get(pid, [""])
+        return os.path.basename(argv[0]) == "bwrap" and "--" in argv
+
+    def in_sandbox(pid: int) -> bool:
+        while pid in parent:
+            pid = parent[pid]
+            if life(pid):
+                return True
+        return False
+
+    return [
+        argv
+        for pid, argv in programs.items()
+        if pid in parent and not life(pid) and not in_sandbox(pid)
+    ]
+
+
+def helper_name(argv: list[str]) -> str:
+    """A spawned process's name: its program, and for git its subcommand."""
+    name = os.path.basename(argv[0]) if argv else "?"
+    if name == "git":
+        rest = iter(argv[1:])
+        for arg in rest:
+            if arg == "-c":
+                next(rest, None)
+            elif not arg.startswith("-"):
+                return f"git {arg}"
+    return name
 
 
 class Worker:

@@ -37,7 +37,12 @@ HOST_ENV = DEPLOY / "ouroboros.env"
 DOCKERFILE = ROOT / "Dockerfile"
 INSTALL = DEPLOY / "install.sh"
 SYSTEM_UNITS = ("ouroboros-reconciler.service", "ouroboros-web.service")
-USER_UNITS = ("ouroboros-worker.service", "ouroboros-worker@.service", "ouroboros-doctor.service")
+USER_UNITS = (
+    "ouroboros-worker.service",
+    "ouroboros-worker@.service",
+    "ouroboros-doctor.service",
+    "ouroboros-repack.service",
+)
 
 # OUROBOROS_CONFIG names the TOML file the settings are read from: a source of
 # the model, not one of its fields. Every other OUROBOROS_* name is a field.
@@ -442,6 +447,11 @@ def test_install_creates_the_account_release_units_and_lingering(installed):
         assert (user_units / unit).stat().st_uid == uid
     wants = user_units / "default.target.wants/ouroboros-worker.service"
     assert os.readlink(wants) == "../ouroboros-worker.service"
+    timer = user_units / "timers.target.wants/ouroboros-repack.timer"
+    assert os.readlink(timer) == "../ouroboros-repack.timer"
+    assert (user_units / "ouroboros-repack.timer").read_text() == (
+        DEPLOY / "systemd" / "ouroboros-repack.timer"
+    ).read_text()
     for unit in SYSTEM_UNITS:
         assert (root / "etc/systemd/system" / unit).is_file()
         link = root / "etc/systemd/system/multi-user.target.wants" / unit

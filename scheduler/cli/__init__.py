@@ -90,6 +90,10 @@ COMMANDS: dict[str, Lazy] = {
         "scheduler.cli.browse:observations_command",
         "The observed figures of every generation of NAME, or everything about generation GEN.",
     ),
+    "repack": Lazy(
+        "scheduler.cli.repack:repack",
+        "Pack this host's lineage repositories: every cache, and a local shared repository.",
+    ),
     "serve": Lazy(
         "scheduler.cli.browse:serve_command",
         "Serve the read-only web UI and JSON API (no authentication: see docs/browsing.md).",

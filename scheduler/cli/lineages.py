@@ -1,7 +1,9 @@
 """Commands that make and drive lineages: ``init``, ``fork``, ``run``, ``cancel``, ``reconcile``.
 
 Imported only when one of them runs (see ``scheduler.cli``); ``run --local`` builds
-the same pipeline the Celery task runs, through ``worker.fleet.assembly``.
+the same pipeline the Celery task runs, through ``worker.fleet.assembly``. The
+broker's side (Redis, the planner, the progress display) is imported by the commands
+that talk to the fleet, so ``run --local`` never pays for it.
 """
 
 from __future__ import annotations
@@ -15,18 +17,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-import redis
-from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
 from scheduler.cli.common import USD, load_settings
-from scheduler.follow import NoWorker, describe, watch
 from scheduler.fork import describe as describe_fork
 from scheduler.fork import resolve, seed_of
 from scheduler.output import console, warn
-from scheduler.status import Fleet
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
-from worker.fleet.runs import job_of, queue_of
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
@@ -189,6 +186,10 @@ def run(
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
+    from scheduler.follow import NoWorker, describe, watch
+    from scheduler.status import Fleet
+    from worker.fleet.runs import job_of, queue_of
+
     require_known(provider)
     fleet = Fleet(settings)
     planner = fleet.planner
@@ -269,6 +270,8 @@ def run_local(
 @click.argument("name")
 def cancel(name: str) -> None:
     """Stop NAME's run after the generation in flight (if any) lands."""
+    from scheduler.status import Fleet
+
     settings = load_settings()
     check_name(name)
     cancelled = Fleet(settings).planner.cancel(name)
@@ -283,6 +286,11 @@ def cancel(name: str) -> None:
 )
 def reconcile(loop: bool) -> None:
     """Re-enqueue every lineage whose run wants more and has nothing in flight."""
+    import redis
+    from kombu.exceptions import OperationalError
+
+    from scheduler.status import Fleet
+
     settings = load_settings()
     fleet = Fleet(settings)
     if not loop:

@@ -32,8 +32,9 @@ from worker.fleet.runs import (
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import LineageCache
+from worker.instrument.index import read_index
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import index_key, run_key, runs_prefix
+from worker.instrument.keys import run_key, runs_prefix
 from worker.instrument.lineage import LineageMetadata, root_metadata
 from worker.instrument.names import BRANCH_PREFIX
 from worker.instrument.records import LineageIndex
@@ -80,16 +81,17 @@ class Planner:
     def save_run(self, run: RunRecord) -> None:
         self.store.put(run_key(run.lineage, run.run_id), run.model_dump_json(indent=2).encode())
 
-    def index(self, lineage: str) -> LineageIndex:
-        return LineageIndex.parse(self.store.get(index_key(lineage)), lineage)
+    def index(self, lineage: str, since: int = 1) -> LineageIndex:
+        """The lineage's index from generation ``since`` on (only the segments holding it)."""
+        return read_index(self.store, lineage, since)
 
     def generation_count(self, lineage: str, head: str) -> int:
         return self.cache.history(lineage, head).generations
 
     def progress(self, run: RunRecord, head: str) -> Progress:
-        return run_progress(
-            run, self.generation_count(run.lineage, head), self.index(run.lineage).generations
-        )
+        # Only the run's own generations count: read as much index as the run is long.
+        mine = self.index(run.lineage, since=run.start_generation + 1).generations
+        return run_progress(run, self.generation_count(run.lineage, head), mine)
 
     def start_run(
         self,

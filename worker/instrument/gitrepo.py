@@ -1,26 +1,45 @@
-"""Git plumbing for lineages: the worker's local cache and the shared bare repository.
+"""Git for lineages: the worker's local cache and the shared bare repository.
 
-Owns every git command the worker runs: creating the shared bare repository,
+Owns every git operation of the worker: creating the shared bare repository,
 incremental fetches of one lineage branch into the local cache, reading blobs and
-trees, writing blobs and commits without a work tree, and the compare-and-swap push
-(``--force-with-lease`` with an explicit expected value, verified again by the
-receiving side's ref transaction). Commits are built with a private index from
-(mode, blob) pairs, so no ``.gitignore``, ``.gitattributes``, filter, hook or
-external diff helper of the lineage's content can influence what is recorded.
+trees, writing blobs, trees and commits, and the compare-and-swap push. Objects are
+read and written in this process through libgit2 (pygit2), so a generation spawns no
+git process: no hook, filter, attribute, ``.gitignore`` or external diff helper of the
+lineage's content exists there to influence what is recorded, and no automatic gc or
+maintenance runs after a write (repacking is scheduled: deploy/README.md).
 
-Trusts: the git binary and the configured remote. Treats every path and byte of
-lineage content as data.
+The shared repository is reached two ways:
+
+* a local path (``/srv/lineages.git`` or ``file://...``) is opened in-process: the
+  objects missing on the other side are copied, each after everything it refers to
+  (so an object present implies all it reaches is present), and the push is a
+  reference transaction on the shared repository: lock the branch, compare it with
+  the expected head (absent for a new lineage), write the new head, unlock. A push
+  whose expected head is stale, or whose lock another writer holds, fails.
+* any other URL (ssh) with the git binary: ``git fetch`` of the one branch and
+  ``git push --force-with-lease`` with an explicit expected value, verified again by
+  the receiving side's ref transaction.
+
+Either way a push moves the branch only from the expected head, and one that loses
+a race is reported as lost (``push_cas`` returns False), never retried here; in
+process, one that would not fast-forward from the expected head fails too.
+
+Trusts: libgit2, the git binary and the configured remote. Treats every path and
+byte of lineage content as data.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
+
+import pygit2
+from pygit2.enums import ObjectType, Option
 
 from worker.instrument.errors import Refusal
 from worker.instrument.names import BRANCH_PREFIX, generation_number
@@ -35,6 +54,8 @@ IDENTITY = {
 # Tree modes of a regular file: a symlink (120000), a gitlink or a tree is not one.
 _REGULAR_MODES = frozenset({"100644", "100755"})
 _SYMLINK_MODE = "120000"
+_TREE_MODE = 0o40000
+_GITLINK_MODE = 0o160000
 # What a tmpfs charges against its size= limit, measured on Linux 6.x with shmem huge
 # pages off (the default): a regular file its data rounded up to whole pages (2,048
 # files of one byte fill an 8 MiB tmpfs, and so do 1,024 files of 4,097 bytes; one 8 MiB
@@ -51,7 +72,19 @@ _SAFE_CONFIG = (
     "core.autocrlf=false",
     # Objects and refs reach the disk before a spool entry says they exist.
     "core.fsync=committed",
+    # Repacking is scheduled (deploy/README.md), never a side effect of a fetch or push.
+    "gc.auto=0",
+    "maintenance.auto=false",
 )
+# The same promise for what this process writes through libgit2.
+pygit2.option(Option.ENABLE_FSYNC_GITDIR, True)
+# Repositories are opened at paths from the settings, never discovered, and libgit2
+# runs nothing a repository's config names; as ``git --git-dir`` does, a repository
+# owned by another account (the operator's shell beside the ``ouroboros`` service) opens.
+pygit2.option(Option.SET_OWNER_VALIDATION, False)
+# Configuration of every repository this module creates: no automatic gc anywhere,
+# including a receive-pack that a plain ``git push`` of an operator starts.
+_REPO_CONFIG = {"gc.auto": "0", "maintenance.auto": "false", "receive.autogc": "false"}
 
 
 class GitError(RuntimeError):
@@ -171,10 +204,8 @@ def local_path(url: str) -> Path:
 
 def ensure_shared_repo(url: str) -> None:
     """Create the shared bare repository if it is a local path that does not exist yet."""
-    if not is_local(url):
-        return
-    path = local_path(url)
-    if (path / "HEAD").exists():
+    path = local_repository(url)
+    if path is None or (path / "HEAD").exists():
         return
     if path.exists() and any(path.iterdir()):
         raise Refusal(
@@ -182,7 +213,77 @@ def ensure_shared_repo(url: str) -> None:
             "point OUROBOROS_LINEAGE_REPO elsewhere"
         )
     path.mkdir(parents=True, exist_ok=True)
-    run_git(path, "init", "--bare", "--quiet")
+    _init_bare(path)
+
+
+def _init_bare(path: Path) -> None:
+    repo = pygit2.init_repository(str(path), bare=True)
+    for name, value in _REPO_CONFIG.items():
+        repo.config[name] = value
+
+
+def local_repository(url: str) -> Path | None:
+    """The shared repository's path if this process opens it itself, else None.
+
+    A local path or ``file://`` URL; never ``host:path`` (git's scp-like ssh syntax:
+    a colon before the first slash) or another scheme.
+    """
+    if url.startswith("file://"):
+        return local_path(url)
+    if "://" in url or ":" in url.split("/", 1)[0]:
+        return None
+    return Path(url)
+
+
+def _mode(value: int) -> str:
+    return f"{value:06o}"
+
+
+def _entry_at(tree: pygit2.Tree, path: str) -> Entry | None:
+    """What ``path`` is in ``tree`` as a file (blob, symlink or gitlink); None otherwise."""
+    try:
+        found = tree[path]
+    except KeyError:
+        return None
+    return None if found.filemode == _TREE_MODE else Entry(_mode(found.filemode), str(found.id))
+
+
+def _tree_object(items: Iterable[tuple[bytes, int, pygit2.Oid]]) -> bytes:
+    """A tree object's bytes: entries in git's order (a tree sorts as its name plus "/")."""
+    ordered = sorted(items, key=lambda i: i[0] + b"/" if i[1] == _TREE_MODE else i[0])
+    return b"".join(f"{mode:o} ".encode() + name + b"\0" + oid.raw for name, mode, oid in ordered)
+
+
+def copy_objects(source: pygit2.Repository, target: pygit2.Repository, tip: str) -> int:
+    """Copy every object reachable from ``tip`` that ``target`` lacks; how many were copied.
+
+    Each object is written after everything it refers to, so a present object implies
+    its whole closure is present and the walk stops there (a copy cut short by a crash
+    leaves ``target`` consistent, and the next copy completes it). A gitlink names a
+    commit of another repository and is not followed.
+    """
+    order: list[pygit2.Oid] = []
+    seen: set[pygit2.Oid] = set()
+    stack: list[tuple[pygit2.Oid, bool]] = [(pygit2.Oid(hex=tip), False)]
+    while stack:
+        oid, children_done = stack.pop()
+        if children_done:
+            order.append(oid)
+            continue
+        if oid in seen or target.odb.exists(oid):
+            continue
+        seen.add(oid)
+        stack.append((oid, True))
+        kind, _ = source.odb.read_header(oid)
+        if kind == ObjectType.COMMIT:
+            commit = source[oid]
+            stack.extend((parent, False) for parent in commit.parent_ids)
+            stack.append((commit.tree_id, False))
+        elif kind == ObjectType.TREE:
+            stack.extend((e.id, False) for e in source[oid] if e.filemode != _GITLINK_MODE)
+    for oid in order:
+        target.odb.write(*source.odb.read(oid))
+    return len(order)
 
 
 class LineageCache:
@@ -194,7 +295,12 @@ class LineageCache:
         self._known: dict[str, Lineage] = {}
         if not (cache_dir / "HEAD").exists():
             cache_dir.mkdir(parents=True, exist_ok=True)
-            self.git("init", "--bare", "--quiet")
+            _init_bare(cache_dir)
+        self.repo = pygit2.Repository(str(cache_dir))
+        self._shared_path = local_repository(remote_url)
+        self._shared_repo: pygit2.Repository | None = None
+        if self._shared_path is not None and (self._shared_path / "HEAD").exists():
+            self._shared()
 
     def git(self, *args: str, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
         return run_git(self.git_dir, *args, **kwargs)  # type: ignore[arg-type]
@@ -202,9 +308,58 @@ class LineageCache:
     def tracking_ref(self, lineage: str) -> str:
         return f"refs/remotes/shared/{BRANCH_PREFIX}{lineage}"
 
+    def _shared(self) -> pygit2.Repository:
+        """The local shared repository, opened once; a Refusal if it cannot be.
+
+        Its objects are the cache's too: listed in the cache's ``objects/info/alternates``
+        (so git itself, repacking the cache, sees them), and new objects are written
+        straight into it (``_objects``), once, rather than into the cache and copied.
+        """
+        if self._shared_repo is None:
+            try:
+                self._shared_repo = pygit2.Repository(str(self._shared_path))
+            except (pygit2.GitError, KeyError) as exc:
+                raise self._unreadable(str(exc)) from None
+            objects = str(Path(self._shared_repo.path).resolve() / "objects")
+            if objects != str((self.git_dir / "objects").resolve()):
+                alternates = self.git_dir / "objects" / "info" / "alternates"
+                if not alternates.exists() or alternates.read_text().strip() != objects:
+                    alternates.parent.mkdir(parents=True, exist_ok=True)
+                    staged = alternates.with_name(f"alternates.{os.getpid()}")
+                    staged.write_text(f"{objects}\n")
+                    staged.replace(alternates)
+                self.repo.odb.add_disk_alternate(objects)
+        return self._shared_repo
+
+    def _objects(self) -> pygit2.Repository:
+        """Where new objects are written: a local shared repository that exists, else the
+        cache (whose objects a push copies).
+
+        An object written there before its push loses a race is merely unreachable:
+        no ref names it and the scheduled gc prunes it (deploy/README.md, "Repacking").
+        """
+        local = self._shared_path
+        if local is not None and (self._shared_repo is not None or (local / "HEAD").exists()):
+            return self._shared()
+        return self.repo
+
+    def _unreadable(self, why: str) -> Refusal:
+        return Refusal(
+            f"cannot read the shared lineage repository {self.remote_url}: {why} "
+            "(create a lineage with schedule-lineage init, or fix OUROBOROS_LINEAGE_REPO)"
+        )
+
     def fetch(self, lineage: str) -> str | None:
         """Fetch one lineage branch (only new objects travel); its head, or None if absent."""
         ref = branch_ref(lineage)
+        if self._shared_path is not None:
+            found = self._shared().references.get(ref)
+            if found is None:
+                return None
+            head = str(found.resolve().target)
+            copy_objects(self._shared(), self.repo, head)
+            self._track(lineage, head)
+            return head
         refspec = f"+{ref}:{self.tracking_ref(lineage)}"
         for attempt in range(FETCH_ATTEMPTS):
             result = self.git(
@@ -225,70 +380,66 @@ class LineageCache:
             time.sleep(0.05 * (attempt + 1))
         raise GitError(f"git fetch of {ref} kept losing its ref lock to other processes")
 
+    def _track(self, lineage: str, head: str) -> None:
+        """Point the tracking ref at ``head`` (it keeps the fetched objects reachable)."""
+        for attempt in range(FETCH_ATTEMPTS):
+            try:
+                self.repo.references.create(self.tracking_ref(lineage), head, force=True)
+                return
+            except pygit2.GitError:
+                # Another process of this host moves the same tracking ref meanwhile.
+                time.sleep(0.05 * (attempt + 1))
+        raise GitError(f"the tracking ref of {lineage} kept losing its lock to other processes")
+
     def ls_remote(self, *patterns: str) -> str:
         """The shared repository's matching refs; a Refusal if it cannot be read at all."""
         result = self.git("ls-remote", self.remote_url, *patterns, check=False)
         if result.returncode != 0:
-            raise Refusal(
-                f"cannot read the shared lineage repository {self.remote_url}: "
-                f"{result.stderr.decode(errors='replace').strip().splitlines()[0]} "
-                "(create a lineage with schedule-lineage init, or fix OUROBOROS_LINEAGE_REPO)"
-            )
+            raise self._unreadable(result.stderr.decode(errors="replace").strip().splitlines()[0])
         return result.stdout.decode()
 
     def rev(self, name: str) -> str:
-        return (
-            self.git("rev-parse", "--verify", "--quiet", f"{name}^{{commit}}")
-            .stdout.decode()
-            .strip()
-        )
+        """The commit ``name`` (a ref, an id, ``X~N``) names; "" if none."""
+        try:
+            return str(self.repo.revparse_single(name).peel(pygit2.Commit).id)
+        except (KeyError, ValueError, pygit2.GitError, pygit2.InvalidSpecError):
+            return ""
+
+    def _commit_of(self, commit: str) -> pygit2.Commit:
+        return self.repo[commit].peel(pygit2.Commit)
 
     def read_blob(self, commit: str, path: str) -> bytes | None:
-        result = self.git("cat-file", "blob", f"{commit}:{path}", check=False)
-        return result.stdout if result.returncode == 0 else None
+        entry = _entry_at(self._commit_of(commit).tree, path)
+        if entry is None or entry.mode == _mode(_GITLINK_MODE):
+            return None
+        return self.repo.odb.read(entry.sha)[1]
 
     def tree(self, commit: str) -> dict[str, Entry]:
-        """Every blob of a commit's tree, recursively: path -> (mode, sha)."""
-        out = self.git("ls-tree", "-r", "-z", "--full-tree", commit).stdout
+        """Every file of a commit's tree, recursively: path -> (mode, sha)."""
         entries: dict[str, Entry] = {}
-        for record in out.split(b"\0"):
-            if not record:
-                continue
-            meta, _, path = record.partition(b"\t")
-            mode, _kind, sha = meta.decode().split()
-            entries[path.decode("utf-8", errors="surrogateescape")] = Entry(mode, sha)
+        pending = [("", self._commit_of(commit).tree)]
+        while pending:
+            prefix, tree = pending.pop()
+            for item in tree:
+                path = prefix + item.name
+                if item.filemode == _TREE_MODE:
+                    pending.append((path + "/", self.repo[item.id]))
+                else:
+                    entries[path] = Entry(_mode(item.filemode), str(item.id))
         return entries
 
     def cat_blobs(self, shas: Iterable[str]) -> dict[str, bytes]:
-        """Contents of many blobs through one ``cat-file --batch`` process."""
-        wanted = list(dict.fromkeys(shas))
-        if not wanted:
-            return {}
-        out = self.git(
-            "cat-file", "--batch", input="".join(f"{s}\n" for s in wanted).encode()
-        ).stdout
-        blobs: dict[str, bytes] = {}
-        pos = 0
-        for sha in wanted:
-            header_end = out.index(b"\n", pos)
-            size = int(out[pos:header_end].split()[2])
-            blobs[sha] = out[header_end + 1 : header_end + 1 + size]
-            pos = header_end + 1 + size + 1
-        return blobs
+        """Contents of many blobs."""
+        return {sha: self.repo.odb.read(sha)[1] for sha in dict.fromkeys(shas)}
 
     def blob_sizes(self, shas: Iterable[str]) -> dict[str, int]:
-        """Sizes of many blobs through one ``cat-file --batch-check`` process."""
-        wanted = list(dict.fromkeys(shas))
-        if not wanted:
-            return {}
-        out = self.git(
-            "cat-file", "--batch-check", input="".join(f"{s}\n" for s in wanted).encode()
-        ).stdout
+        """Sizes of the blobs that exist among ``shas``."""
         sizes: dict[str, int] = {}
-        for line in out.decode().splitlines():
-            fields = line.split()  # "<sha> <type> <size>", or "<sha> missing"
-            if len(fields) == 3:
-                sizes[fields[0]] = int(fields[2])
+        for sha in dict.fromkeys(shas):
+            try:
+                sizes[sha] = self.repo.odb.read_header(sha)[1]
+            except KeyError:
+                continue
         return sizes
 
     def footprint(self, entries: Mapping[str, Entry]) -> Footprint:
@@ -298,10 +449,17 @@ class LineageCache:
         )
         return footprint((path, e.mode, sizes.get(e.sha, 0)) for path, e in entries.items())
 
+    def _first_parents(self, commit: str) -> Iterator[pygit2.Commit]:
+        current: pygit2.Commit | None = self._commit_of(commit)
+        while current is not None:
+            yield current
+            current = self.repo[current.parent_ids[0]] if current.parent_ids else None
+
     def root_of(self, commit: str) -> str:
         """The root commit ``commit`` descends from by first parents: the lineage's seed."""
-        out = self.git("rev-list", "--first-parent", "--max-parents=0", commit).stdout.decode()
-        return out.split()[0]
+        for found in self._first_parents(commit):
+            last = found
+        return str(last.id)
 
     def history(self, lineage: str, head: str) -> Lineage:
         """The root commit and the number of ``gen `` commits up to ``head``.
@@ -313,25 +471,23 @@ class LineageCache:
         known = self._known.get(lineage)
         if known is not None and known.head == head:
             return known
+        walker = self.repo.walk(head, pygit2.enums.SortMode.TOPOLOGICAL)
         if known is not None and self.is_ancestor(known.head, head):
-            subjects = self._log("%s", f"{known.head}..{head}")
-            found = Lineage(head, known.root, known.generations + _generations(subjects))
-        else:
-            records = [line.split("\0", 2) for line in self._log("%H%x00%P%x00%s", head)]
-            roots = [sha for sha, parents, _ in records if not parents]
+            walker.hide(known.head)
             found = Lineage(
-                head, roots[-1] if roots else head, _generations(s for _, _, s in records)
+                head, known.root, known.generations + _generations(map(_subject, walker))
+            )
+        else:
+            commits = list(walker)
+            roots = [str(c.id) for c in commits if not c.parent_ids]
+            found = Lineage(
+                head, roots[-1] if roots else head, _generations(map(_subject, commits))
             )
         self._known[lineage] = found
         return found
 
     def is_ancestor(self, ancestor: str, descendant: str) -> bool:
-        result = self.git("merge-base", "--is-ancestor", ancestor, descendant, check=False)
-        return result.returncode == 0
-
-    def _log(self, fmt: str, revisions: str) -> list[str]:
-        out = self.git("log", f"--format={fmt}", revisions).stdout
-        return out.decode(errors="replace").splitlines()
+        return ancestor == descendant or self.repo.descendant_of(descendant, ancestor)
 
     def body_before(self, commit: str, path: str, rollback_subject: str) -> bytes | None:
         """The body ``path`` had before the last change to it that was not a rollback.
@@ -344,14 +500,14 @@ class LineageCache:
     def last_body(self, commit: str, path: str, rollback_subject: str) -> Body | None:
         """The body ``path`` had before the last change to it that was not a rollback.
 
-        Rollback commits (subjects matching ``rollback_subject``) are skipped so that a
-        death after a rollback never restores the body that died before it. Only a
-        regular file counts as a body: where ``path`` was a symlink, a directory or absent
-        before that change (lineages recorded before the decoder refused such results),
-        the change before it is asked, and so on back, so the answer is the last body
-        that was a regular file. If no change has one, it is the seed body: ``path`` in
-        the root commit. None only when not even the root holds ``path`` as a regular
-        file, which no lineage made by ``schedule-lineage init`` lacks.
+        Rollback commits (messages with a line matching ``rollback_subject``) are skipped
+        so that a death after a rollback never restores the body that died before it.
+        Only a regular file counts as a body: where ``path`` was a symlink, a directory or
+        absent before that change (lineages recorded before the decoder refused such
+        results), the change before it is asked, and so on back, so the answer is the
+        last body that was a regular file. If no change has one, it is the seed body:
+        ``path`` in the root commit. None only when not even the root holds ``path`` as a
+        regular file, which no lineage made by ``schedule-lineage init`` lacks.
 
         ``lived_in`` is the commit whose tree the body last lived in before that change:
         the change's first parent (a life started from that tree and replaced the body),
@@ -373,99 +529,101 @@ class LineageCache:
         with the commit it was that in: the change's first parent.
 
         Follows first parents, as the lineage's bodies follow one another. The mode is
-        ``000000`` where ``path`` did not exist (as a blob: a directory there shows as
-        its files, never as ``path`` itself).
+        ``000000`` where ``path`` was not a file (absent, or a directory).
         """
-        # The newest change nearly always answers; the rest of the history is read only
-        # when it does not.
-        for window in (("-n", "1"), ("--skip", "1")):
-            out = self.git(
-                "log",
-                *window,
-                "--first-parent",
-                "--format=%H %P",
-                "--raw",
-                "--no-abbrev",
-                "--no-renames",
-                "--invert-grep",
-                "-E",
-                f"--grep={rollback_subject}",
-                commit,
-                "--",
-                path,
-            ).stdout
-            # Each change is a line of its id and parents (first parent first), then
-            # ":<old mode> <new mode> <old sha> <new sha> <status>\t<path>"; git quotes a
-            # path with unusual bytes, so a line names ``path`` only if it is ``path``.
-            first_parent = ""
-            for line in out.decode(errors="replace").splitlines():
-                meta, _, name = line.partition("\t")
-                if not meta.startswith(":"):
-                    if meta:
-                        first_parent = (meta.split()[1:] or [""])[0]
-                    continue
-                if name == path and first_parent:
-                    old_mode, _new_mode, old_sha = meta[1:].split()[:3]
-                    yield Entry(old_mode, old_sha), first_parent
+        rollback = re.compile(rollback_subject, re.MULTILINE)
+        for change in self._first_parents(commit):
+            if not change.parent_ids:
+                return
+            parent = self.repo[change.parent_ids[0]]
+            before = _entry_at(parent.tree, path)
+            if before == _entry_at(change.tree, path) or rollback.search(_message(change)):
+                continue
+            yield before or Entry("000000", "0" * 40), str(parent.id)
 
     def hash_bytes(self, data: bytes) -> str:
-        return (
-            self.git("hash-object", "-w", "--no-filters", "--stdin", input=data)
-            .stdout.decode()
-            .strip()
-        )
+        return str(self._objects().create_blob(data))
 
     def hash_files(self, paths: list[Path]) -> list[str]:
-        """Write many files as blobs through one process; one path per line, so none
-        may hold a line break (the decoder refuses such names before they get here)."""
-        if not paths:
-            return []
-        if any("\n" in str(p) or "\r" in str(p) for p in paths):
-            raise ValueError("a path with a line break cannot be hashed by path")
-        listing = "".join(f"{p}\n" for p in paths).encode()
-        out = self.git("hash-object", "-w", "--no-filters", "--stdin-paths", input=listing).stdout
-        return out.decode().split()
+        """Write many files as blobs, in order."""
+        return [self.hash_bytes(path.read_bytes()) for path in paths]
 
     def numstat(self, old_sha: str | None, new_sha: str | None) -> tuple[int, int]:
-        """Lines added and deleted between two blobs (git's own counting, no helpers)."""
-        # Only a missing side needs the empty blob written (an added or removed file).
-        empty = self.hash_bytes(b"") if old_sha is None or new_sha is None else ""
-        out = (
-            self.git(
-                "diff",
-                "--numstat",
-                "--no-ext-diff",
-                "--no-textconv",
-                old_sha or empty,
-                new_sha or empty,
-            )
-            .stdout.decode()
-            .split()
-        )
-        if not out or out[0] == "-":
+        """Lines added and deleted between two blobs (a missing side is empty; a binary
+        blob counts no lines, as ``git diff --numstat`` has it)."""
+        old = self.repo[old_sha] if old_sha else None
+        new = self.repo[new_sha] if new_sha else None
+        patch = pygit2.Patch.create_from(old, new)
+        if patch.delta.is_binary:
             return 0, 0
-        return int(out[0]), int(out[1])
+        _, added, deleted = patch.line_stats
+        return added, deleted
 
     def commit(self, parent: str | None, entries: Mapping[str, Entry], message: str) -> str:
-        """Write a commit whose tree is exactly ``entries`` (private index, no work tree)."""
-        with tempfile.TemporaryDirectory(prefix="ouro-index-") as scratch:
-            index_env = {"GIT_INDEX_FILE": str(Path(scratch) / "index")}
-            info = b"".join(
-                f"{entry.mode} {entry.sha}\t".encode()
-                + path.encode("utf-8", errors="surrogateescape")
-                + b"\0"
-                for path, entry in sorted(entries.items())
-            )
-            self.git("update-index", "-z", "--index-info", input=info, env=index_env)
-            tree = self.git("write-tree", env=index_env).stdout.decode().strip()
-        args = ["commit-tree", tree, "-m", message]
-        if parent:
-            args[2:2] = ["-p", parent]
-        return self.git(*args, env=IDENTITY).stdout.decode().strip()
+        """Write a commit whose tree is exactly ``entries`` (no index, no work tree)."""
+        root: dict[bytes, object] = {}
+        for path, entry in entries.items():
+            *folders, name = path.encode("utf-8", errors="surrogateescape").split(b"/")
+            node = root
+            for folder in folders:
+                node = node.setdefault(folder, {})  # type: ignore[assignment]
+            node[name] = entry
+
+        def write(node: dict[bytes, object]) -> pygit2.Oid:
+            items = [
+                (name, _TREE_MODE, write(child))
+                if isinstance(child, dict)
+                else (name, int(child.mode, 8), pygit2.Oid(hex=child.sha))  # type: ignore[attr-defined]
+                for name, child in node.items()
+            ]
+            return objects.odb.write(ObjectType.TREE, _tree_object(items))
+
+        objects = self._objects()
+        signature = pygit2.Signature(IDENTITY["GIT_AUTHOR_NAME"], IDENTITY["GIT_AUTHOR_EMAIL"])
+        parents = [pygit2.Oid(hex=parent)] if parent else []
+        made = objects.create_commit(
+            None, signature, signature, f"{message}\n", write(root), parents
+        )
+        return str(made)
 
     def push_cas(self, lineage: str, new: str, expected: str | None) -> bool:
         """Move the shared branch to ``new`` only if it is still at ``expected`` (None: absent)."""
         ref = branch_ref(lineage)
+        if self._shared_path is not None:
+            landed = self._swap(ref, new, expected)
+        else:
+            landed = self._push(ref, new, expected)
+        if landed:
+            self._track(lineage, new)
+        return landed
+
+    def _swap(self, ref: str, new: str, expected: str | None) -> bool:
+        """The in-process push: objects first, then the branch under its lock.
+
+        Only a fast-forward: ``new`` must descend from ``expected``, as every
+        generation's commit does from its parent; a lineage's branch never moves back.
+        """
+        if expected is not None and not self.is_ancestor(expected, new):
+            return False
+        shared = self._shared()
+        copy_objects(self.repo, shared, new)
+        try:
+            with shared.transaction() as transaction:
+                transaction.lock_ref(ref)
+                current = shared.references.get(ref)
+                if (str(current.resolve().target) if current else None) != expected:
+                    raise _LostRace
+                transaction.set_target(ref, new, message="push")
+        except _LostRace:
+            return False
+        except pygit2.GitError as exc:
+            if "lock" in str(exc):
+                # Another writer holds the branch: as a receiving side's failed ref lock.
+                return False
+            raise GitError(f"push of {ref} failed: {exc}") from exc
+        return True
+
+    def _push(self, ref: str, new: str, expected: str | None) -> bool:
         result = self.git(
             "push",
             "--porcelain",
@@ -477,7 +635,6 @@ class LineageCache:
         )
         output = result.stdout.decode(errors="replace") + result.stderr.decode(errors="replace")
         if result.returncode == 0:
-            self.git("update-ref", self.tracking_ref(lineage), new)
             return True
         if "[rejected]" in output or "[remote rejected]" in output or "stale info" in output:
             return False
@@ -486,7 +643,17 @@ class LineageCache:
     def branch_contains(self, lineage: str, commit: str) -> bool:
         """Whether ``commit`` is on the shared branch (after a fresh fetch)."""
         head = self.fetch(lineage)
-        if head is None:
-            return False
-        result = self.git("merge-base", "--is-ancestor", commit, head, check=False)
-        return result.returncode == 0
+        return head is not None and self.is_ancestor(commit, head)
+
+
+class _LostRace(Exception):
+    """The shared branch is not at the expected head: the transaction is abandoned."""
+
+
+def _message(commit: pygit2.Commit) -> str:
+    return commit.raw_message.decode("utf-8", errors="replace")
+
+
+def _subject(commit: pygit2.Commit) -> str:
+    """The first line of the message, as far as a ``gen N:`` subject needs it."""
+    return _message(commit).split("\n", 1)[0]

@@ -4,7 +4,8 @@ Owns where each record lives under a store's prefix::
 
     lineages/<name>/metadata.json
     lineages/<name>/generations/000001.json     (one write-once object per generation)
-    lineages/<name>/index.json                  (derived: rebuildable from the above)
+    lineages/<name>/index/000000.json           (derived: index segment 0, generations 1-256)
+    lineages/<name>/index.json                  (derived: the whole index before segments)
     lineages/<name>/runs/<run-id>.json
 
 Generation numbers are zero-padded so that a plain listing sorts them in order.
@@ -26,6 +27,14 @@ def generation_key(lineage: str, generation: int) -> str:
 
 def index_key(lineage: str) -> str:
     return f"{LINEAGES_PREFIX}{lineage}/index.json"
+
+
+def index_segments_prefix(lineage: str) -> str:
+    return f"{LINEAGES_PREFIX}{lineage}/index/"
+
+
+def index_segment_key(lineage: str, segment: int) -> str:
+    return f"{index_segments_prefix(lineage)}{segment:06d}.json"
 
 
 def runs_prefix(lineage: str) -> str:

@@ -28,7 +28,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
-from worker.instrument import journal
+from worker.instrument import index, journal
 from worker.instrument.ceilings import Ceiling
 from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
 from worker.instrument.errors import Refusal, StaleJob
@@ -36,7 +36,7 @@ from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.identity import IdentityPool
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import generation_key, index_key
+from worker.instrument.keys import generation_key
 from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
 from worker.instrument.model.providers import GenerationContext, Provider, make_provider
 from worker.instrument.model.retry import RetryPolicy
@@ -45,8 +45,6 @@ from worker.instrument.model.throttle import LocalThrottle, Throttle
 from worker.instrument.names import JOURNAL_PATH, KERNEL_OWNED, ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import (
-    IndexEntry,
-    LineageIndex,
     ModelCall,
     Observation,
     Outcome,
@@ -63,10 +61,6 @@ from worker.instrument.sandbox import (
 from worker.instrument.settings import InstrumentSettings
 from worker.instrument.spool import Publication, Spool
 from worker.instrument.store import ObservationStore, StoreUnavailable
-
-INDEX_ATTEMPTS = 3
-# Generations still pending in a spool leave gaps too; each write probes this many.
-INDEX_REPAIRS = 8
 
 
 class ObservationConflict(RuntimeError):
@@ -366,7 +360,7 @@ class Pipeline:
                 publication.observation_key, publication.observation.encode()
             ):
                 self._check_existing(publication.observation_key, observation)
-            self._index(observation)
+            index.add(self.store, observation)
         except StoreUnavailable:
             return False
         self.spool.remove(publication)
@@ -382,37 +376,6 @@ class Pipeline:
                 f"{observation.lineage_commit[:12]}; the store holds another lineage's "
                 "records under this name"
             )
-
-    def _index(self, observation: Observation) -> None:
-        """Add the observation's summary to the lineage's index object.
-
-        Two publishers of one lineage (a spool drain beside a live generation) may
-        rewrite the index at once and one may lose the other's entry. So the write is
-        read back until it holds this entry, and every write first fills gaps below
-        this generation from the write-once observation objects: an entry lost once
-        is restored by the next publication.
-        """
-        key = index_key(observation.lineage)
-        entry = IndexEntry.of(observation)
-        for _ in range(INDEX_ATTEMPTS):
-            index = self._read_index(key, observation.lineage)
-            for missing in self._gaps(index, observation.generation):
-                index = index.with_entry(missing)
-            self.store.put(key, index.with_entry(entry).model_dump_json().encode())
-            if entry in self._read_index(key, observation.lineage).generations:
-                return
-
-    def _read_index(self, key: str, lineage: str) -> LineageIndex:
-        return LineageIndex.parse(self.store.get(key), lineage)
-
-    def _gaps(self, index: LineageIndex, below: int) -> Iterator[IndexEntry]:
-        """Entries of stored observations that the index lacks (a bounded number per call)."""
-        known = {e.generation for e in index.generations}
-        absent = [n for n in range(below - 1, 0, -1) if n not in known][:INDEX_REPAIRS]
-        for generation in absent:
-            raw = self.store.get(generation_key(index.lineage, generation))
-            if raw is not None:
-                yield IndexEntry.of(Observation.model_validate_json(raw))
 
     def _judge(self, result: SandboxResult, plan: Plan, scratch: Path) -> Verdict:
         """What the life amounts to: a death, or the organism's tree through the decoder.

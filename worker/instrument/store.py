@@ -1,7 +1,8 @@
 """The observation store: write-once and overwritable objects under relative keys.
 
-Owns the two store backends (a local directory behind ``file:///abs/path`` and an
-S3-compatible bucket behind ``s3://bucket/optional/prefix``), the parsing of
+Owns the store interface, its local directory backend behind ``file:///abs/path``
+(the S3-compatible bucket behind ``s3://bucket/optional/prefix`` is
+``worker.instrument.s3store``, imported only when named), the parsing of
 ``OUROBOROS_OBSERVATIONS``, key validation, and the mapping of every backend failure
 to ``StoreUnavailable``. The key layout itself belongs to ``worker.instrument.records``.
 
@@ -17,18 +18,16 @@ from __future__ import annotations
 
 import os
 import re
-import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-import boto3
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
 from worker.instrument.errors import Refusal
+
+if TYPE_CHECKING:
+    from worker.instrument.s3store import S3Config
 
 ACCEPTED_FORMS = "file:///absolute/path or s3://bucket[/prefix]"
 
@@ -38,13 +37,6 @@ _STAGING_PREFIX = ".staging-"
 _FORBIDDEN_KEY_CHARS = re.compile(r"[\\\x00-\x1f\x7f]")
 _USERINFO = re.compile(r"//[^/@]*@")
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-
-# A 409 ConditionalRequestConflict means another conditional write of the same key
-# was in flight. AWS asks callers to retry: the retry settles it as 412 (the other
-# writer won) or 200 (it failed and we wrote). Answering "exists" without that
-# evidence could lose the only copy of an observation.
-_CONFLICT_ATTEMPTS = 4
-_CONFLICT_BACKOFF_SECONDS = 0.2
 
 
 class StoreUnavailable(Exception):
@@ -236,125 +228,7 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-class S3Config(Protocol):
-    """Where an S3-compatible store answers (the fleet's settings provide these)."""
-
-    s3_endpoint_url: str | None
-    s3_region: str | None
-    s3_path_style: bool
-
-
-class S3Store(ObservationStore):
-    """A bucket and optional key prefix on any S3-compatible service."""
-
-    def __init__(self, url: str, bucket: str, prefix: str, settings: S3Config) -> None:
-        self.url = url
-        self.bucket = bucket
-        self.prefix = prefix
-        self.endpoint = settings.s3_endpoint_url
-        config = Config(
-            connect_timeout=3,
-            read_timeout=15,
-            # The fleet retries whole jobs; here a few quick attempts ride out a blip
-            # without holding a worker for minutes.
-            retries={"mode": "standard", "max_attempts": 3},
-            s3={"addressing_style": "path" if settings.s3_path_style else "auto"},
-            # boto3 >= 1.36 adds CRC checksums to every upload by default, which
-            # older MinIO and Ceph RGW reject; send them only where S3 demands one.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        # A private session: the default one is shared and not thread-safe to build
-        # clients from, while the client itself is safe to share across threads.
-        self.client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=settings.s3_endpoint_url,
-            region_name=settings.s3_region,
-            config=config,
-        )
-
-    def _put_once(self, key: str, data: bytes) -> bool:
-        attempt = 1
-        while True:
-            try:
-                self.client.put_object(IfNoneMatch="*", **self._put_args(key, data))
-                return True
-            except ClientError as exc:
-                code = _error_code(exc)
-                if code == "PreconditionFailed":
-                    return False
-                if code != "ConditionalRequestConflict" or attempt == _CONFLICT_ATTEMPTS:
-                    raise self._unavailable(key, exc) from exc
-            except BotoCoreError as exc:
-                raise self._unavailable(key, exc) from exc
-            time.sleep(_CONFLICT_BACKOFF_SECONDS * 2 ** (attempt - 1))
-            attempt += 1
-
-    def _put(self, key: str, data: bytes) -> None:
-        try:
-            self.client.put_object(**self._put_args(key, data))
-        except (ClientError, BotoCoreError) as exc:
-            raise self._unavailable(key, exc) from exc
-
-    def _get(self, key: str) -> bytes | None:
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._full_key(key))
-            body: bytes = response["Body"].read()
-            return body
-        except ClientError as exc:
-            if _error_code(exc) in ("NoSuchKey", "404"):
-                return None
-            raise self._unavailable(key, exc) from exc
-        except BotoCoreError as exc:
-            raise self._unavailable(key, exc) from exc
-
-    def _list(self, prefix: str) -> list[str]:
-        cut = len(self._full_key(""))
-        keys = []
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._full_key(prefix)
-            )
-            for page in pages:
-                keys.extend(item["Key"][cut:] for item in page.get("Contents", []))
-        except (ClientError, BotoCoreError) as exc:
-            raise self._unavailable(prefix, exc) from exc
-        return keys
-
-    def _full_key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _put_args(self, key: str, data: bytes) -> dict[str, Any]:
-        content_type = "application/json" if key.endswith(".json") else "application/octet-stream"
-        return {
-            "Bucket": self.bucket,
-            "Key": self._full_key(key),
-            "Body": data,
-            "ContentType": content_type,
-        }
-
-    def _unavailable(self, key: str, exc: ClientError | BotoCoreError) -> StoreUnavailable:
-        # Only the error code and message: neither boto3 nor S3 puts a secret there,
-        # whereas request dumps (headers, string-to-sign) could carry one.
-        if isinstance(exc, ClientError):
-            error = exc.response.get("Error", {})
-            detail = f"{error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")
-        else:
-            detail = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, NoCredentialsError):
-            detail += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or an AWS profile)"
-        where = f" at {self.endpoint}" if self.endpoint else ""
-        # botocore quotes the request URL in connection errors: redact all of it.
-        return StoreUnavailable(
-            _redact(f"observation store {self.url}{where} failed on {key!r}: {detail}")
-        )
-
-
-def _error_code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """``url`` without any user:password part, for messages."""
     return _USERINFO.sub("//***@", url)
 
@@ -385,8 +259,11 @@ def open_store(url: str, settings: S3Config) -> ObservationStore:
             check_key(prefix)
     except ValueError:
         raise _refusal(url, "has an invalid key prefix") from None
+    # boto3 is imported with the S3 backend only: a file store never pays for it.
+    from worker.instrument.s3store import S3Store
+
     return S3Store(url, parts.netloc, prefix, settings)
 
 
 def _refusal(url: str, reason: str) -> Refusal:
-    return Refusal(f"OUROBOROS_OBSERVATIONS={_redact(url)!r} {reason}; use {ACCEPTED_FORMS}")
+    return Refusal(f"OUROBOROS_OBSERVATIONS={redact_url(url)!r} {reason}; use {ACCEPTED_FORMS}")

@@ -1,0 +1,42 @@
+"""The ``repack`` command: the scheduled gc of this host's lineage repositories.
+
+A generation writes loose objects and never starts a gc or maintenance
+(``worker.instrument.gitrepo``); this is the other half, run by a timer
+(deploy/README.md, "Repacking"): ``git gc`` on every lineage cache under this
+host's state directory, and on the shared repository when it is a local path here.
+``git gc`` packs the loose objects and refs and prunes only unreachable objects older
+than its two-week default, so the objects of a generation in flight, written moments
+before its push, are never touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from scheduler.cli.common import load_settings
+from scheduler.output import console
+from worker.instrument.gitrepo import local_repository, run_git
+
+
+def _loose(repo: Path) -> int:
+    """How many loose objects ``repo`` holds (``git count-objects``)."""
+    out = run_git(repo, "count-objects", "-v").stdout.decode()
+    return int(dict(line.split(": ", 1) for line in out.splitlines())["count"])
+
+
+@click.command()
+def repack() -> None:
+    """Pack this host's lineage repositories: every cache, and a local shared repository."""
+    settings = load_settings()
+    repos = sorted(p for p in (settings.state_path / "cache").glob("*/lineages.git"))
+    shared = local_repository(settings.lineage_repo_url)
+    if shared is not None and (shared / "HEAD").exists():
+        repos.append(shared)
+    for repo in repos:
+        before = _loose(repo)
+        run_git(repo, "gc", "--quiet")
+        console.print(f"{repo}: {before} loose objects packed", highlight=False)
+    if not repos:
+        console.print("no lineage repository on this host", highlight=False)
