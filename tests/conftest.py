@@ -1,5 +1,6 @@
-"""Shared fixtures: observation stores, a real S3 endpoint for the test session, and
-the machine-wide lock of the heaviest tests.
+"""Shared fixtures: observation stores, a real S3 endpoint for the test session, a
+fleet on a private database of the machine's Redis with its workers, and the
+machine-wide lock of the heaviest tests.
 
 S3 is moto's standalone server in a subprocess, spoken to over HTTP by the real
 boto3 stack: nothing in this process is patched, so signing, addressing, retries
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import subprocess
 import sys
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import boto3
 import pytest
-from lineage_support import free_port
+import redis
+from lineage_support import Fleet, Worker, free_port
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
@@ -34,6 +37,38 @@ MOTO_START_SECONDS = 30
 # two, would each miss their deadlines. The kernel drops it when the holder exits.
 HEAVY_LOCK = Path("/run/lock/ouroboros-heavy-tests.lock")
 HEAVY_LOCK_WAIT_SECONDS = 45 * 60
+_databases = itertools.count()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A private, empty database on the machine's Redis."""
+    url = f"redis://127.0.0.1:6379/{1 + next(_databases) % 15}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_url: str) -> Fleet:
+    """A fleet home on ``redis_url`` with short recovery timings (lease 6 s, retries 1 s)."""
+    return Fleet(
+        tmp_path,
+        OUROBOROS_BROKER_URL=redis_url,
+        OUROBOROS_LEASE_SECONDS="6",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
+    )
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """The workers a test starts; each is stopped (its own process group) at the end."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,9 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
   environment; git helpers that read the shared repository;
 * ``Worker``: a real ``celery -A worker worker`` process in its own process group,
   stopped or killed by its own pid;
-* ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port;
+* ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port, optionally
+  with append-only persistence, that can be killed and restarted on the same port;
+* ``Switch``: a TCP forwarder that can refuse every connection, like a dead store;
 * ``free_port``, ``wait_for``, ``seed_file``.
 
 Imports nothing of ``worker`` or ``scheduler``: a benchmark must be able to load it
@@ -25,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -185,6 +188,11 @@ class Worker:
                 )
             time.sleep(0.1)
 
+    def pool_children(self) -> list[int]:
+        """The pids of the main process's children (its prefork pool)."""
+        path = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        return [int(pid) for pid in path.read_text().split()]
+
     def kill(self) -> None:
         """SIGKILL the whole worker: main process, pool children, sandboxes."""
         with contextlib.suppress(ProcessLookupError):
@@ -204,12 +212,22 @@ class Worker:
 
 
 class PrivateRedis:
-    """A throw-away redis-server on a free TCP port, no persistence."""
+    """A throw-away redis-server on a free TCP port; no persistence unless ``appendonly``.
 
-    def __init__(self, directory: Path) -> None:
+    ``kill`` is a SIGKILL (a crash); ``start`` brings it back on the same port and
+    directory, so with ``appendonly`` (fsync on every write) it comes back with its data.
+    """
+
+    def __init__(self, directory: Path, *, appendonly: bool = False) -> None:
         self.port = free_port()
+        self.directory = directory
+        self.appendonly = appendonly
         directory.mkdir(parents=True, exist_ok=True)
-        self.log = (directory / "redis.log").open("wb")
+        self.log = (directory / "redis.log").open("ab")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
         self.process = subprocess.Popen(
             [
                 "redis-server",
@@ -220,16 +238,21 @@ class PrivateRedis:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                "always",
                 "--dir",
-                str(directory),
+                str(self.directory),
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         wait_for(self._pings, 20, "the private redis-server", 0.05)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
     def _pings(self) -> bool:
         if self.process.poll() is not None:
@@ -250,3 +273,45 @@ class PrivateRedis:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+class Switch:
+    """A TCP forwarder to the S3 endpoint that can refuse every connection, like a dead store."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
