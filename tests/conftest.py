@@ -13,11 +13,7 @@ import errno
 import fcntl
 import itertools
 import os
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +21,12 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from lineage_support import Fleet, Worker, free_port
+from lineage_support import Fleet, MotoServer, Worker
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
 
 S3_REGION = "us-east-1"
-MOTO_START_SECONDS = 30
 # The lock every test that wants most of this 2-core machine holds while it runs
 # (the compose fleet; a virtual machine): two of them at once, from one session or
 # two, would each miss their deadlines. The kernel drops it when the holder exits.
@@ -107,40 +102,11 @@ def s3_endpoint(
     aws_test_credentials: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """URL of a moto S3 server running as a subprocess for the whole session."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto_server.log")
     try:
-        _wait_until_answering(url, server, log_path)
-        yield url
+        yield server.url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _wait_until_answering(url: str, server: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + MOTO_START_SECONDS
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"moto_server exited with {server.returncode}:\n{log_path.read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/moto-api/", timeout=1):
-                return
-        except urllib.error.HTTPError:
-            return  # any HTTP answer means it serves
-        except OSError:
-            time.sleep(0.1)
-    pytest.fail(f"moto_server did not answer on {url} within {MOTO_START_SECONDS} s")
+        server.stop()
 
 
 @pytest.fixture

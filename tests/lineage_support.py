@@ -12,7 +12,9 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
 * ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port, optionally
   with append-only persistence, that can be killed and restarted on the same port;
 * ``Switch``: a TCP forwarder that can refuse every connection, like a dead store;
-* ``free_port``, ``wait_for``, ``seed_file``.
+* ``MotoServer``: moto's standalone S3 server in a subprocess, spoken to over HTTP;
+* ``free_port``, ``wait_for``, ``seed_file``, ``terminate``, and ``task_envelope`` (a
+  Celery task message as kombu's Redis transport stores it, to publish hostile variants).
 
 Imports nothing of ``worker`` or ``scheduler``: a benchmark must be able to load it
 before it chooses which copy of the instrument its process imports.
@@ -20,6 +22,7 @@ before it chooses which copy of the instrument its process imports.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -29,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -60,10 +65,38 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
         time.sleep(interval)
 
 
+def terminate(process: subprocess.Popen[bytes], grace: float = 10) -> None:
+    """SIGTERM ``process`` (if it still runs) and reap it; SIGKILL if it lingers."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def seed_file(directory: Path, body: str, name: str = "seed.el") -> Path:
     path = directory / name
     path.write_text(";;; test organism  -*- lexical-binding: t; -*-\n" + body)
     return path
+
+
+def task_envelope(
+    task: str, body: object, content_type: str = "application/json"
+) -> dict[str, object]:
+    """A task message as kombu's Redis transport keeps it on a queue (body: args, kwargs, embed)."""
+    return {
+        "body": base64.b64encode(json.dumps(body).encode()).decode(),
+        "content-encoding": "utf-8",
+        "content-type": content_type,
+        "headers": {"lang": "py", "task": task, "id": "hostile"},
+        "properties": {
+            "delivery_tag": "hostile-tag",
+            "body_encoding": "base64",
+            "delivery_info": {"exchange": "", "routing_key": "x"},
+        },
+    }
 
 
 class Fleet:
@@ -265,13 +298,7 @@ class PrivateRedis:
             return False
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
         self.log.close()
 
 
@@ -315,3 +342,41 @@ class Switch:
         for end in (source, sink):
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
+
+
+class MotoServer:
+    """moto's standalone S3 server on a free 127.0.0.1 port, logging to ``log_path``."""
+
+    START_SECONDS = 30
+
+    def __init__(self, log_path: Path) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            wait_for(self._answers, self.START_SECONDS, f"moto_server on {self.url}", 0.1)
+        except AssertionError:
+            self.stop()
+            raise
+
+    def _answers(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"moto_server exited with {self.process.returncode}:\n{self.log_path.read_text()}"
+            )
+        try:
+            with urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1):
+                return True
+        except urllib.error.HTTPError:
+            return True  # any HTTP answer means it serves
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        terminate(self.process)

@@ -120,6 +120,7 @@ def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
         OUROBOROS_S3_REGION="us-east-1",
         OUROBOROS_LEASE_SECONDS="6",
         OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
         AWS_ACCESS_KEY_ID="ouroboros-test-key-id",
         AWS_SECRET_ACCESS_KEY="ouroboros-test-secret",
     )
@@ -130,21 +131,43 @@ def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
 
     seed = seed_file(fleet.home, SLOW.format(seconds=2) + WRITES_STATE)
     fleet.ok("init", "patient", "--seed", str(seed), *SMALL_PHYSICS)
-    start(fleet, workers, "w1")
+    worker = start(fleet, workers, "w1")
+    reconciler_log = tmp_path / "reconciler.log"
+    with reconciler_log.open("wb") as sink:
+        reconciler = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "reconcile", "--loop"],
+            env=fleet.env,
+            cwd=fleet.home,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     fleet.ok("run", "patient", "--generations", "3")
     switch.down()
     try:
+        # The run's state travels in the job: it advances while the store is down.
         wait_for(lambda: len(generations(fleet, "patient")) == 3, 180, "three commits")
         assert len(stored()) < 3
+        time.sleep(5)  # several reconcile passes and store probes during the outage
     finally:
         switch.up()
-    wait_for(lambda: len(stored()) == 3, 120, "the pending observations to land")
+    try:
+        wait_for(lambda: len(stored()) == 3, 120, "the pending observations to land")
+        wait_for(lambda: "is back" in worker.text(), 30, "the worker to see the store back")
+        wait_for(lambda: "is back" in reconciler_log.read_text(), 30, "the reconciler too")
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+        switch.down()
     assert [key.rsplit("/", 1)[1] for key in stored()] == [
         "000001.json",
         "000002.json",
         "000003.json",
     ]
-    switch.down()
+    # One line when the outage starts and one when it ends, from each, however long it was.
+    for who, text in (("worker", worker.text()), ("reconciler", reconciler_log.read_text())):
+        assert text.count(f"{who}: the observation store is down") == 1, text
+        assert text.count(f"{who}: the observation store is back after") == 1, text
 
 
 def test_hand_commit_during_a_generation_discards_the_stale_result(

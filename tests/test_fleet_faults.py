@@ -2,8 +2,9 @@
 
 One test per fault the chaos soak (``bench/soak.py``) injects at random: a worker
 killed between fetching a job and starting it, a pool child killed mid-life, a Redis
-restart with and without its data, a store outage, and garbage on every queue a
-worker consumes, published the way a real client reaches the queue. Each checks the
+restart with and without its data, and garbage on every queue a worker consumes,
+published the way a real client reaches the queue (the store outage is in
+``tests/test_fleet.py``). Each checks the
 recovery comes within ``OUROBOROS_LEASE_SECONDS`` plus one reconcile interval (with
 generous margins: never a timing assertion), and the durable records after it. Also:
 the queues' bindings as ``inspect`` reports them, and Flower, run as the compose file
@@ -24,17 +25,16 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import boto3
 import pytest
 import redis
 from lineage_support import (
     SMALL_PHYSICS,
     Fleet,
     PrivateRedis,
-    Switch,
     Worker,
     free_port,
     seed_file,
+    task_envelope,
     wait_for,
 )
 from test_fleet import SLOW, WRITES_STATE, assert_linear, background, generations, start
@@ -138,20 +138,6 @@ def test_a_life_in_flight_when_redis_restarts_lands_once(
         server.stop()
 
 
-def _envelope(task: str, body: object, content_type: str = "application/json") -> dict:
-    return {
-        "body": base64.b64encode(json.dumps(body).encode()).decode(),
-        "content-encoding": "utf-8",
-        "content-type": content_type,
-        "headers": {"lang": "py", "task": task, "id": "hostile"},
-        "properties": {
-            "delivery_tag": "hostile-tag",
-            "body_encoding": "base64",
-            "delivery_info": {"exchange": "", "routing_key": "x"},
-        },
-    }
-
-
 PICKLED = """
 import sys
 from kombu import Connection, Producer
@@ -179,7 +165,7 @@ GARBAGE = {
         json.dumps(
             {
                 k: v
-                for k, v in _envelope("ouroboros.generation", [[], {}, {}]).items()
+                for k, v in task_envelope("ouroboros.generation", [[], {}, {}]).items()
                 if k != "properties"
             }
         ).encode(),
@@ -188,7 +174,7 @@ GARBAGE = {
     "oversized": (
         "lpush",
         json.dumps(
-            _envelope("ouroboros.generation", [[], {"payload": "x" * 300_000}, {}])
+            task_envelope("ouroboros.generation", [[], {"payload": "x" * 300_000}, {}])
         ).encode(),
         "over the 262144-byte limit",
     ),
@@ -228,65 +214,6 @@ def test_garbage_on_a_queue_is_dropped_with_one_line_and_the_worker_serves_on(
     assert why in dropped
     assert "Traceback" not in log and "Unrecoverable" not in log
     assert "Connection to broker lost" not in log
-
-
-def test_store_outage_is_logged_once_at_each_end_by_worker_and_reconciler(
-    tmp_path: Path, redis_url: str, s3_endpoint: str, workers: list[Worker]
-) -> None:
-    bucket = f"outage-log-{int(time.time() * 1000)}"
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
-    s3.create_bucket(Bucket=bucket)
-    switch = Switch(int(s3_endpoint.rsplit(":", 1)[1]))
-    fleet = Fleet(
-        tmp_path,
-        OUROBOROS_BROKER_URL=redis_url,
-        OUROBOROS_OBSERVATIONS=f"s3://{bucket}/fleet",
-        OUROBOROS_S3_ENDPOINT_URL=f"http://127.0.0.1:{switch.port}",
-        OUROBOROS_S3_REGION="us-east-1",
-        OUROBOROS_LEASE_SECONDS=str(LEASE),
-        OUROBOROS_SPOOL_RETRY_SECONDS="1",
-        OUROBOROS_RECONCILE_INTERVAL_SECONDS=str(RECONCILE),
-        AWS_ACCESS_KEY_ID="ouroboros-test-key-id",
-        AWS_SECRET_ACCESS_KEY="ouroboros-test-secret",
-    )
-    seed = seed_file(fleet.home, SLOW.format(seconds=2) + WRITES_STATE)
-    fleet.ok("init", "patient", "--seed", str(seed), *SMALL_PHYSICS)
-    worker = start(fleet, workers, "w1")
-    reconciler_log = tmp_path / "reconciler.log"
-    with reconciler_log.open("wb") as sink:
-        reconciler = subprocess.Popen(
-            [sys.executable, "-m", "scheduler", "reconcile", "--loop"],
-            env=fleet.env,
-            cwd=fleet.home,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        fleet.ok("run", "patient", "--generations", "4")
-        switch.down()
-        # The run's state travels in the job: it advances while the store is down.
-        wait_for(lambda: len(generations(fleet, "patient")) == 4, 180, "four commits")
-        time.sleep(3 * RECONCILE + 2)  # several reconcile passes and probes during the outage
-        switch.up()
-        wait_for(lambda: len(_keys(s3, bucket, "patient")) == 4, 120, "the observations to land")
-        wait_for(lambda: "is back" in worker.text(), 30, "the worker to see the store back")
-        wait_for(lambda: "is back" in reconciler_log.read_text(), 30, "the reconciler too")
-    finally:
-        switch.down()
-        reconciler.kill()
-        reconciler.wait()
-    for who, text in (("worker", worker.text()), ("reconciler", reconciler_log.read_text())):
-        assert text.count(f"{who}: the observation store is down") == 1, text
-        assert text.count(f"{who}: the observation store is back after") == 1, text
-    assert [int(k.rsplit("/", 1)[1][:6]) for k in _keys(s3, bucket, "patient")] == [1, 2, 3, 4]
-
-
-def _keys(s3: object, bucket: str, lineage: str) -> list[str]:
-    listing = s3.list_objects_v2(  # type: ignore[attr-defined]
-        Bucket=bucket, Prefix=f"fleet/lineages/{lineage}/generations/"
-    )
-    return sorted(item["Key"] for item in listing.get("Contents", []))
 
 
 @pytest.fixture
