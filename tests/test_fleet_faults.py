@@ -102,9 +102,13 @@ def test_a_killed_pool_child_is_recovered_by_its_redelivery(
     assert fleet.observation("orphan", 1)["provenance"]["attempt"] == 2
 
 
-@pytest.mark.parametrize("appendonly", [True, False], ids=["aof", "data-lost"])
+@pytest.mark.parametrize(
+    ("appendonly", "restarts"),
+    [(True, 1), (False, 1), (True, 2)],
+    ids=["aof", "data-lost", "twice"],
+)
 def test_a_life_in_flight_when_redis_restarts_lands_once(
-    tmp_path: Path, workers: list[Worker], appendonly: bool
+    tmp_path: Path, workers: list[Worker], appendonly: bool, restarts: int
 ) -> None:
     server = PrivateRedis(tmp_path / "redis", appendonly=appendonly)
     fleet = Fleet(
@@ -112,7 +116,10 @@ def test_a_life_in_flight_when_redis_restarts_lands_once(
         OUROBOROS_BROKER_URL=server.url,
         OUROBOROS_LEASE_SECONDS=str(LEASE),
         OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS=str(RECONCILE),
     )
+    # A follow-up planned while Redis is down waits for the reconciler.
+    reconciler = background(fleet, "reconcile", "--loop")
     try:
         seed = seed_file(fleet.home, SLOW.format(seconds=8) + WRITES_STATE)
         fleet.ok("init", "blip", "--seed", str(seed), *SMALL_PHYSICS)
@@ -120,10 +127,16 @@ def test_a_life_in_flight_when_redis_restarts_lands_once(
         client = redis.Redis.from_url(server.url)
         fleet.ok("run", "blip", "--generations", "2")
         wait_for(lambda: client.exists("ouroboros:lease:blip"), 60, "the life to start")
-        server.kill()
-        time.sleep(2)  # the worker sees the broker gone before it returns
-        server.start()
-        # No reconciler: the life in flight lands, and its follow-up carries the run on.
+        for restart in range(1, restarts + 1):
+            server.kill()
+            time.sleep(2)  # the worker sees the broker gone before it returns
+            server.start()
+            # A second loss comes while the worker holds the job it fetched before the first.
+            wait_for(
+                lambda n=restart: worker.text().count("Connected to redis") > n,
+                60,
+                "the worker to reconnect",
+            )
         wait_for(lambda: len(generations(fleet, "blip")) == 2, 180, "both generations")
         wait_for(lambda: fleet.observation_numbers("blip") == [1, 2], 60, "their observations")
         assert_linear(fleet, "blip", 2)
@@ -133,6 +146,8 @@ def test_a_life_in_flight_when_redis_restarts_lands_once(
         assert "In Celery 5.1" not in log
         assert worker.process.poll() is None
     finally:
+        reconciler.kill()
+        reconciler.wait()
         for worker in workers:
             worker.stop()
         server.stop()

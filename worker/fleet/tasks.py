@@ -33,6 +33,7 @@ from celery import Celery, Task, signals
 from celery.exceptions import CPendingDeprecationWarning
 from celery.worker import state as worker_state
 from celery.worker.request import Request
+from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
 from worker.fleet import embedded_redis, leases
@@ -203,7 +204,8 @@ def _plan_next(planner: Planner, job: GenerationJob, report: GenerationReport | 
             # Stale, refused elsewhere, finished, or superseded by a newer run: ask the
             # durable record what (if anything) comes next.
             planner.enqueue(job.lineage)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, redis.RedisError, OperationalError) as exc:
+        # The generation landed; only its follow-up waits, for the reconciler's next pass.
         log.warning("%s: cannot plan now (%s); the reconciler will", job.lineage, exc)
 
 

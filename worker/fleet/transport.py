@@ -10,6 +10,12 @@ envelope, that its content type is JSON, and, on a task queue, that it names a t
 worker runs and carries a Celery task body. A message that fails is dropped (it was
 already popped, so nothing is redelivered) with one log line naming the queue and why.
 
+It also keeps a second broker loss from stopping the worker: when the connection drops
+again while Celery is still closing the channel of the first, kombu tries to restore
+the channel's unacknowledged messages through a connection that is already gone and
+raises ``AttributeError`` out of the consumer (a kombu bug known since 3.x). Those
+messages stay in Redis's ``unacked`` set, where the visibility timeout returns them.
+
 Trusts: nothing in a message. Its settings come from the worker's transport options.
 """
 
@@ -111,8 +117,23 @@ def _body_problem(body: str) -> str | None:
     return None if shape_ok else "the body is not a Celery task body [args, kwargs, embed]"
 
 
+class ClosingQoS(kombu_redis.QoS):
+    """kombu's Redis QoS, which does not restore through a connection already gone."""
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        if self.channel.connection.client is None:
+            log.warning(
+                "the broker connection is gone before its messages could be restored; "
+                "they come back after the visibility timeout"
+            )
+            return None
+        return super().restore_unacked(client)
+
+
 class ScreeningChannel(kombu_redis.Channel):
     """A Redis channel that drops, with one log line, every message ``problem`` refuses."""
+
+    QoS = ClosingQoS
 
     from_transport_options = (
         *kombu_redis.Channel.from_transport_options,
