@@ -74,6 +74,14 @@ FAULTS = (
 ORGANISM = '(with-temp-file "/work/state.el" (insert (format "%S" (random))))\n'
 GEN_SUBJECT = re.compile(r"^gen (\d+): ")
 BUCKET = "soak"
+# Beyond lost, doubled and extra: what else a soak that holds every invariant leaves at 0.
+MUST_BE_ZERO = (
+    "missing observations",
+    "spool entries",
+    "leftover processes",
+    "leftover cgroups",
+    "worker exits",
+)
 
 
 @dataclass
@@ -154,6 +162,8 @@ class Soak:
         self.schedule: list[str] = []
         self.garbage_sent = 0
         self.lock = threading.Lock()
+        self.slots = threading.Lock()
+        self.unexpected_exits = 0
         self.heads: dict[str, tuple[str | None, int]] = {}
         self.reconciler: subprocess.Popen[bytes] | None = None
 
@@ -219,6 +229,15 @@ class Soak:
         slots = [(n, w) for n, w in enumerate(self.workers) if w and w.process.poll() is None]
         return self.random.choice(slots)
 
+    def revive(self) -> None:
+        """Restart a worker that exited on its own (counted: a worker must never do that)."""
+        with self.slots:
+            for slot, worker in enumerate(self.workers):
+                if worker is not None and worker.process.poll() is not None:
+                    self.unexpected_exits += 1
+                    print(f"worker {worker.name} exited on its own; see {worker.log_path}")
+                    self.start_worker(slot)
+
     def hit(self, worker: Worker) -> list[str]:
         """The lineages whose lives ``worker`` runs."""
         pids = {worker.process.pid, *self._children(worker)}
@@ -235,15 +254,16 @@ class Soak:
         fault = Fault(kind)
         hit: list[str]
         if kind in ("kill-main", "kill-tree"):
-            slot, worker = self.living_worker()
-            hit = self.hit(worker)
-            if kind == "kill-main":
-                os.kill(worker.process.pid, signal.SIGKILL)
-                worker.process.wait()
-            else:
-                worker.kill()
-            fault.ended = time.monotonic()
-            self.start_worker(slot)
+            with self.slots:  # killed and restarted as one step, as systemd would
+                slot, worker = self.living_worker()
+                hit = self.hit(worker)
+                if kind == "kill-main":
+                    os.kill(worker.process.pid, signal.SIGKILL)
+                    worker.process.wait()
+                else:
+                    worker.kill()
+                fault.ended = time.monotonic()
+                self.start_worker(slot)
         elif kind == "kill-child":
             _, worker = self.living_worker()
             children = self._children(worker)
@@ -339,6 +359,7 @@ class Soak:
         deadline = began + self.args.round_timeout
         while self.unfinished():
             self.watch()
+            self.revive()
             if time.monotonic() > deadline:
                 raise SystemExit(f"round not finished within {self.args.round_timeout:g} s")
             time.sleep(0.5)
@@ -445,6 +466,7 @@ class Soak:
         )
         counts["leftover processes"] = len(self.leftover_processes())
         counts["leftover cgroups"] = len(self.leftover_cgroups())
+        counts["worker exits"] = self.unexpected_exits
         dropped = sum(w.text().count("dropped a message on queue") for w in self.every_worker)
         if dropped != self.garbage_sent:
             problems.append(f"{self.garbage_sent} garbage messages sent, {dropped} drops logged")
@@ -469,6 +491,9 @@ class Soak:
         return [path for path in Path("/sys/fs/cgroup").glob("**/" + prefix + "*") if path.is_dir()]
 
     def close(self) -> None:
+        if self.reconciler is not None and self.reconciler.poll() is None:
+            self.reconciler.kill()
+            self.reconciler.wait()
         # Only workers not yet reaped: a reaped one's pid may belong to someone else now.
         for worker in self.every_worker:
             if worker.process.poll() is None:
@@ -476,9 +501,6 @@ class Soak:
         for pid in self.leftover_processes():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if self.reconciler is not None and self.reconciler.poll() is None:
-            self.reconciler.kill()
-            self.reconciler.wait()
         self.switch.down()
         self.moto.stop()
         self.bench.close()
@@ -513,16 +535,7 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
         f"{args.lease} s, reconcile every {args.reconcile:g} s; {machine_note()}"
     )
     print(f"\n{'invariant':<24}{'count':>8}")
-    for key in (
-        "landed",
-        "lost",
-        "doubled",
-        "extra observations",
-        "missing observations",
-        "spool entries",
-        "leftover processes",
-        "leftover cgroups",
-    ):
+    for key in ("landed", "lost", "doubled", "extra observations", *MUST_BE_ZERO):
         print(f"{key:<24}{counts[key]:>8}")
     print(f"\n{'fault':<14}{'count':>6}{'recovered':>11}{'max s':>8}{'median s':>10}")
     by_kind: dict[str, list[Fault]] = {}
@@ -566,19 +579,7 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
         f"  chaos throughput >= 70% of fault-free: "
         f"{'PASS' if rate(chaotic) >= 0.7 * rate(clean) else 'MISS'}"
     )
-    holds = (
-        exact
-        and not problems
-        and not any(
-            counts[k]
-            for k in (
-                "missing observations",
-                "spool entries",
-                "leftover processes",
-                "leftover cgroups",
-            )
-        )
-    )
+    holds = exact and not problems and not any(counts[key] for key in MUST_BE_ZERO)
     for problem in problems:
         print(f"  problem: {problem}")
     print(f"\ninvariants: {'all hold' if holds else 'VIOLATED'}")
@@ -587,6 +588,8 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
 
 def main() -> int:
     args = parse_args()
+    # A stopped soak still stops its fleet (SIGTERM would skip the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     soak = Soak(args)
     try:
         soak.start()
