@@ -310,9 +310,16 @@ class Soak:
             queue = self.queue()
             self.redis.lpush(queue, self.random.choice(garbage()))
             self.garbage_sent += 1
+            # Wait for its drop, so that no later fault (Redis losing its data) takes it away.
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: self.drops() >= self.garbage_sent, 60, "the drop", 0.2)
             fault.ended = time.monotonic()
         fault.waiting = {name: self.generation(name)[0] for name in hit}
         return fault
+
+    def drops(self) -> int:
+        """Garbage messages the workers logged as dropped."""
+        return sum(w.text().count("dropped a message on queue") for w in self.every_worker)
 
     def queue(self) -> str:
         meta = json.loads(
@@ -467,7 +474,7 @@ class Soak:
         counts["leftover processes"] = len(self.leftover_processes())
         counts["leftover cgroups"] = len(self.leftover_cgroups())
         counts["worker exits"] = self.unexpected_exits
-        dropped = sum(w.text().count("dropped a message on queue") for w in self.every_worker)
+        dropped = self.drops()
         if dropped != self.garbage_sent:
             problems.append(f"{self.garbage_sent} garbage messages sent, {dropped} drops logged")
         return {"counts": counts, "problems": problems}
