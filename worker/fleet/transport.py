@@ -10,11 +10,11 @@ envelope, that its content type is JSON, and, on a task queue, that it names a t
 worker runs and carries a Celery task body. A message that fails is dropped (it was
 already popped, so nothing is redelivered) with one log line naming the queue and why.
 
-It also keeps a second broker loss from stopping the worker: when the connection drops
-again while Celery is still closing the channel of the first, kombu tries to restore
-the channel's unacknowledged messages through a connection that is already gone and
-raises ``AttributeError`` out of the consumer (a kombu bug known since 3.x). Those
-messages stay in Redis's ``unacked`` set, where the visibility timeout returns them.
+It also keeps a broker loss from stopping the worker later: kombu acknowledges,
+rejects or restores a message through the channel it came on even after that channel's
+connection is gone, and raises ``AttributeError`` out of the consumer (a kombu bug
+known since 3.x). ``ClosingQoS`` leaves such a message in Redis's ``unacked`` set,
+where the visibility timeout returns it (stale by then).
 
 Trusts: nothing in a message. Its settings come from the worker's transport options.
 """
@@ -118,16 +118,43 @@ def _body_problem(body: str) -> str | None:
 
 
 class ClosingQoS(kombu_redis.QoS):
-    """kombu's Redis QoS, which does not restore through a connection already gone."""
+    """kombu's Redis QoS, which does not reach for a broker connection that is already gone.
+
+    A life that lands after the connection it was delivered on dropped is acknowledged
+    (or requeued) through that dead channel; kombu then raises ``AttributeError`` out of
+    the consumer and the worker exits. Here the message is only forgotten locally: it
+    stays in Redis's ``unacked`` set, and the visibility timeout returns it, stale.
+    """
+
+    def _gone(self, what: str) -> bool:
+        transport = self.channel.connection
+        if transport is not None and transport.client is not None:
+            return False
+        log.warning(
+            "cannot %s through a closed broker connection; the message comes back after "
+            "the visibility timeout, stale",
+            what,
+        )
+        return True
 
     def restore_unacked(self, client: Any = None) -> Any:
-        if self.channel.connection.client is None:
-            log.warning(
-                "the broker connection is gone before its messages could be restored; "
-                "they come back after the visibility timeout"
-            )
-            return None
-        return super().restore_unacked(client)
+        return (
+            None
+            if self._gone("restore unacknowledged messages")
+            else super().restore_unacked(client)
+        )
+
+    def ack(self, delivery_tag: str) -> None:
+        if self._gone(f"acknowledge message {delivery_tag}"):
+            self._quick_ack(delivery_tag)
+            return
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if self._gone(f"reject message {delivery_tag}"):
+            self._quick_ack(delivery_tag)
+            return
+        super().reject(delivery_tag, requeue=requeue)
 
 
 class ScreeningChannel(kombu_redis.Channel):
