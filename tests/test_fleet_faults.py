@@ -222,6 +222,7 @@ def test_garbage_on_a_queue_is_dropped_with_one_line_and_the_worker_serves_on(
     line = f"dropped a message on queue {target}: "
     wait_for(lambda: line in worker.text(), 60, "the drop to be logged")
     wait_for(lambda: len(generations(fleet, "sturdy")) == 2, 120, "both generations")
+    wait_for(lambda: fleet.observation_numbers("sturdy") == [1, 2], 60, "their observations")
     assert worker.process.poll() is None
     assert_linear(fleet, "sturdy", 2)
     log = worker.text()
