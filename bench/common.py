@@ -1,4 +1,4 @@
-"""Shared machinery of the fleet benchmarks (bench_latency, bench_parallel, bench_history).
+"""Shared machinery of the fleet benchmarks (bench_latency, bench_parallel, bench_history, soak).
 
 Each benchmark runs against an isolated fleet in a temporary directory, driven by the
 fleet harness the tests use (``tests/lineage_support.py``: ``Fleet``, ``Worker``,
@@ -95,6 +95,7 @@ class BenchFleet:
         keep: bool = False,
         *,
         with_redis: bool = True,
+        redis_appendonly: bool = False,
     ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix=f"ouro-bench-{prefix}-"))
         self.keep = keep
@@ -104,7 +105,7 @@ class BenchFleet:
             # In-process pipeline only: never contacted, but settings want a URL.
             redis_url = redis_url or "redis://127.0.0.1:1/0"
         elif redis_url is None:
-            self.redis = PrivateRedis(self.root / "redis")
+            self.redis = PrivateRedis(self.root / "redis", appendonly=redis_appendonly)
             redis_url = self.redis.url
         else:
             _flush(redis_url)

@@ -1,5 +1,6 @@
-"""Shared fixtures: observation stores, a real S3 endpoint for the test session, the
-real workers a test starts, and the machine-wide lock of the heaviest tests.
+"""Shared fixtures: observation stores, a real S3 endpoint for the test session, a
+fleet on a private database of the machine's Redis with its workers, and the
+machine-wide lock of the heaviest tests.
 
 S3 is moto's standalone server in a subprocess, spoken to over HTTP by the real
 boto3 stack: nothing in this process is patched, so signing, addressing, retries
@@ -10,9 +11,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,19 +20,50 @@ from pathlib import Path
 
 import boto3
 import pytest
-from lineage_support import Worker, free_port
-from served import stop, wait_until_answering
+import redis
+from lineage_support import Fleet, MotoServer, Worker
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
 
 S3_REGION = "us-east-1"
-MOTO_START_SECONDS = 30
 # The lock every test that wants most of this 2-core machine holds while it runs
 # (the compose fleet; a virtual machine): two of them at once, from one session or
 # two, would each miss their deadlines. The kernel drops it when the holder exits.
 HEAVY_LOCK = Path("/run/lock/ouroboros-heavy-tests.lock")
 HEAVY_LOCK_WAIT_SECONDS = 45 * 60
+_databases = itertools.count()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A private, empty database on the machine's Redis."""
+    url = f"redis://127.0.0.1:6379/{1 + next(_databases) % 15}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_url: str) -> Fleet:
+    """A fleet home on ``redis_url`` with short recovery timings (lease 6 s, retries 1 s)."""
+    return Fleet(
+        tmp_path,
+        OUROBOROS_BROKER_URL=redis_url,
+        OUROBOROS_LEASE_SECONDS="6",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
+    )
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """The workers a test starts; each is stopped (its own process group) at the end."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
 
 
 @pytest.fixture(scope="session")
@@ -71,22 +102,11 @@ def s3_endpoint(
     aws_test_credentials: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """URL of a moto S3 server running as a subprocess for the whole session."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto_server.log")
     try:
-        wait_until_answering(
-            f"{url}/moto-api/", server, log_path, name="moto_server", seconds=MOTO_START_SECONDS
-        )
-        yield url
+        yield server.url
     finally:
-        stop(server, seconds=10)
+        server.stop()
 
 
 @pytest.fixture
@@ -154,12 +174,3 @@ def machine_to_itself(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         os.close(handle)
-
-
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    """The real workers a test starts (append them); each is stopped when the test ends."""
-    started: list[Worker] = []
-    yield started
-    for worker in started:
-        worker.stop()

@@ -9,8 +9,13 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
   environment; git helpers that read the shared repository;
 * ``Worker``: a real ``celery -A worker worker`` process in its own process group,
   stopped or killed by its own pid;
-* ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port;
-* ``free_port``, ``wait_for``, ``seed_file``, ``copy_instrument``;
+* ``PrivateRedis``: a throw-away redis-server on a free 127.0.0.1 port, optionally
+  with append-only persistence, that can be killed and restarted on the same port;
+* ``Switch``: a TCP forwarder that can refuse every connection, like a dead store;
+* ``MotoServer``: moto's standalone S3 server in a subprocess, spoken to over HTTP;
+* ``free_port``, ``wait_for``, ``http_answers``, ``seed_file``, ``copy_instrument``,
+  ``terminate``, and ``task_envelope`` (a
+  Celery task message as kombu's Redis transport stores it, to publish hostile variants).
 * ``helper_name``: what ``Fleet.traced`` reports a spawned process as.
 
 Imports nothing of ``worker`` or ``scheduler``: a benchmark must be able to load it
@@ -19,6 +24,7 @@ before it chooses which copy of the instrument its process imports.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -29,7 +35,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -65,6 +74,30 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: fl
         time.sleep(interval)
 
 
+def terminate(process: subprocess.Popen[bytes], grace: float = 10) -> None:
+    """SIGTERM ``process`` (if it still runs) and reap it; SIGKILL if it lingers."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def http_answers(url: str, process: subprocess.Popen[bytes], log_path: Path, name: str) -> bool:
+    """Whether ``url`` answers HTTP at all (any status); raises if ``process`` has exited."""
+    if process.poll() is not None:
+        raise RuntimeError(f"{name} exited with {process.returncode}:\n{log_path.read_text()}")
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True  # the server speaks; whether the path exists does not matter here
+    except OSError:
+        return False
+
+
 def seed_file(directory: Path, body: str, name: str = "seed.el") -> Path:
     path = directory / name
     path.write_text(";;; test organism  -*- lexical-binding: t; -*-\n" + body)
@@ -79,6 +112,23 @@ def copy_instrument(source: Path, target: Path) -> Path:
     (target / "worker" / "organism.el").unlink()
     shutil.copy2(source / "organism.el", target / "worker" / "organism.el")
     return target
+
+
+def task_envelope(
+    task: str, body: object, content_type: str = "application/json"
+) -> dict[str, object]:
+    """A task message as kombu's Redis transport keeps it on a queue (body: args, kwargs, embed)."""
+    return {
+        "body": base64.b64encode(json.dumps(body).encode()).decode(),
+        "content-encoding": "utf-8",
+        "content-type": content_type,
+        "headers": {"lang": "py", "task": task, "id": "hostile"},
+        "properties": {
+            "delivery_tag": "hostile-tag",
+            "body_encoding": "base64",
+            "delivery_info": {"exchange": "", "routing_key": "x"},
+        },
+    }
 
 
 class Fleet:
@@ -266,6 +316,11 @@ class Worker:
                 )
             time.sleep(0.1)
 
+    def pool_children(self) -> list[int]:
+        """The pids of the main process's children (its prefork pool)."""
+        path = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        return [int(pid) for pid in path.read_text().split()]
+
     def kill(self) -> None:
         """SIGKILL the whole worker: main process, pool children, sandboxes."""
         with contextlib.suppress(ProcessLookupError):
@@ -285,12 +340,22 @@ class Worker:
 
 
 class PrivateRedis:
-    """A throw-away redis-server on a free TCP port, no persistence."""
+    """A throw-away redis-server on a free TCP port; no persistence unless ``appendonly``.
 
-    def __init__(self, directory: Path) -> None:
+    ``kill`` is a SIGKILL (a crash); ``start`` brings it back on the same port and
+    directory, so with ``appendonly`` (fsync on every write) it comes back with its data.
+    """
+
+    def __init__(self, directory: Path, *, appendonly: bool = False) -> None:
         self.port = free_port()
+        self.directory = directory
+        self.appendonly = appendonly
         directory.mkdir(parents=True, exist_ok=True)
-        self.log = (directory / "redis.log").open("wb")
+        self.log = (directory / "redis.log").open("ab")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
         self.process = subprocess.Popen(
             [
                 "redis-server",
@@ -301,16 +366,21 @@ class PrivateRedis:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                "always",
                 "--dir",
-                str(directory),
+                str(self.directory),
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         wait_for(self._pings, 20, "the private redis-server", 0.05)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
     def _pings(self) -> bool:
         if self.process.poll() is not None:
@@ -323,11 +393,75 @@ class PrivateRedis:
             return False
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
         self.log.close()
+
+
+class Switch:
+    """A TCP forwarder to the S3 endpoint that can refuse every connection, like a dead store."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+
+class MotoServer:
+    """moto's standalone S3 server on a free 127.0.0.1 port, logging to ``log_path``."""
+
+    START_SECONDS = 30
+
+    def __init__(self, log_path: Path) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            wait_for(self._answers, self.START_SECONDS, f"moto_server on {self.url}", 0.1)
+        except AssertionError:
+            self.stop()
+            raise
+
+    def _answers(self) -> bool:
+        return http_answers(f"{self.url}/moto-api/", self.process, self.log_path, "moto_server")
+
+    def stop(self) -> None:
+        terminate(self.process)

@@ -9,15 +9,10 @@ observation objects.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -26,6 +21,7 @@ import redis
 from lineage_support import (
     SMALL_PHYSICS,
     Fleet,
+    Switch,
     Worker,
     copy_instrument,
     free_port,
@@ -37,30 +33,8 @@ from worker.instrument.fingerprint import PACKAGE_ROOT, package_version
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
-_databases = itertools.count()
 SLOW = "(sleep-for {seconds})\n"
 WRITES_STATE = '(with-temp-file "/work/state.el" (insert (format "%S" (random))))\n'
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    """A private, empty database on the machine's Redis."""
-    url = f"redis://127.0.0.1:6379/{1 + next(_databases) % 15}"
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    yield url
-    client.flushdb()
-
-
-@pytest.fixture
-def fleet(tmp_path: Path, redis_url: str) -> Fleet:
-    return Fleet(
-        tmp_path,
-        OUROBOROS_BROKER_URL=redis_url,
-        OUROBOROS_LEASE_SECONDS="6",
-        OUROBOROS_SPOOL_RETRY_SECONDS="1",
-        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
-    )
 
 
 def start(fleet: Fleet, workers: list[Worker], name: str, *extra_args: str, **env: str) -> Worker:
@@ -139,48 +113,6 @@ def test_sigkill_mid_generation_lands_that_generation_exactly_once(
     assert_linear(fleet, "survivor", 1)
 
 
-class Switch:
-    """A TCP forwarder to the S3 endpoint that can refuse every connection, like a dead store."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = free_port()
-        self.listener: socket.socket | None = None
-        self.up()
-
-    def up(self) -> None:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
-        self.listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def down(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-            self.listener = None
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                sink.sendall(data)
-        for end in (source, sink):
-            with contextlib.suppress(OSError):
-                end.shutdown(socket.SHUT_RDWR)
-
-
 def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
     tmp_path: Path, redis_url: str, s3_endpoint: str, workers: list[Worker]
 ) -> None:
@@ -196,6 +128,7 @@ def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
         OUROBOROS_S3_REGION="us-east-1",
         OUROBOROS_LEASE_SECONDS="6",
         OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
         AWS_ACCESS_KEY_ID="ouroboros-test-key-id",
         AWS_SECRET_ACCESS_KEY="ouroboros-test-secret",
     )
@@ -206,21 +139,43 @@ def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
 
     seed = seed_file(fleet.home, SLOW.format(seconds=2) + WRITES_STATE)
     fleet.ok("init", "patient", "--seed", str(seed), *SMALL_PHYSICS)
-    start(fleet, workers, "w1")
+    worker = start(fleet, workers, "w1")
+    reconciler_log = tmp_path / "reconciler.log"
+    with reconciler_log.open("wb") as sink:
+        reconciler = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "reconcile", "--loop"],
+            env=fleet.env,
+            cwd=fleet.home,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     fleet.ok("run", "patient", "--generations", "3")
     switch.down()
     try:
+        # The run's state travels in the job: it advances while the store is down.
         wait_for(lambda: len(generations(fleet, "patient")) == 3, 180, "three commits")
         assert len(stored()) < 3
+        time.sleep(5)  # several reconcile passes and store probes during the outage
     finally:
         switch.up()
-    wait_for(lambda: len(stored()) == 3, 120, "the pending observations to land")
+    try:
+        wait_for(lambda: len(stored()) == 3, 120, "the pending observations to land")
+        wait_for(lambda: "is back" in worker.text(), 30, "the worker to see the store back")
+        wait_for(lambda: "is back" in reconciler_log.read_text(), 30, "the reconciler too")
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+        switch.down()
     assert [key.rsplit("/", 1)[1] for key in stored()] == [
         "000001.json",
         "000002.json",
         "000003.json",
     ]
-    switch.down()
+    # One line when the outage starts and one when it ends, from each, however long it was.
+    for who, text in (("worker", worker.text()), ("reconciler", reconciler_log.read_text())):
+        assert text.count(f"{who}: the observation store is down") == 1, text
+        assert text.count(f"{who}: the observation store is back after") == 1, text
 
 
 def test_hand_commit_during_a_generation_discards_the_stale_result(
@@ -368,7 +323,7 @@ def _pings(client: redis.Redis) -> bool:
 
 MALFORMED = """
 import sys
-from kombu import Connection, Exchange, Producer
+from kombu import Connection, Producer
 from worker.fleet.app import GENERATION_TASK, client_app
 from worker.fleet.settings import Settings
 app = client_app(Settings())
@@ -381,10 +336,11 @@ hostile = [
 for number, payload in enumerate(hostile):
     app.send_task(GENERATION_TASK, kwargs={"payload": payload}, queue=queue,
                   task_id=f"hostile-{number}")
+# The default exchange routes by queue name: this reaches the queue as a send_task does.
 with Connection(app.conf.broker_url) as connection:
     Producer(connection).publish(
-        {"payload": {}}, serializer="pickle", routing_key=queue, exchange=Exchange(queue),
-        headers={"task": GENERATION_TASK, "id": "pickled"}, declare=[],
+        [[], {"payload": {}}, {}], serializer="pickle", routing_key=queue, exchange="",
+        headers={"task": GENERATION_TASK, "id": "pickled"},
     )
 """
 
@@ -403,11 +359,14 @@ def test_malformed_messages_are_rejected_and_the_worker_keeps_serving(
         [sys.executable, "-c", MALFORMED, queue], env=fleet.env, cwd=fleet.home, check=True
     )
     wait_for(lambda: worker.text().count("rejected malformed job") >= 3, 60, "three rejections")
+    pickled = f"dropped a message on queue {queue}: content type 'application/x-python-serialize'"
+    wait_for(lambda: pickled in worker.text(), 60, "the pickled message to be dropped")
     fleet.ok("run", "sturdy", "--generations", "1", "--wait")
     assert worker.process.poll() is None
     assert_linear(fleet, "sturdy", 1)
     log = worker.text()
     assert "expected_commit" in log and "lineage" in log
+    assert "Traceback" not in log
 
 
 def test_a_version_mismatch_is_refused_at_start(fleet: Fleet) -> None:

@@ -28,8 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
-from lineage_support import SMALL_PHYSICS, Fleet, free_port
-from served import stop, wait_until_answering
+from lineage_support import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
 
 from worker.fleet.settings import Settings
 from worker.instrument.model.ledger import FRAMING_TOKENS
@@ -121,12 +120,15 @@ def litellm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_answering(
-            f"{url}/health/liveliness", server, log_path, name="litellm", seconds=START_SECONDS
+        wait_for(
+            lambda: http_answers(f"{url}/health/liveliness", server, log_path, "litellm"),
+            START_SECONDS,
+            f"litellm on {url}",
+            0.5,
         )
         yield url
     finally:
-        stop(server, seconds=20)
+        terminate(server, 20)
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,13 @@
 
 Owns the broker settings every Celery app of the fleet shares (JSON only, late acks,
 requeue on a lost pool child, prefetch 1, a visibility timeout above any life plus
-publication, connection retry, task events for Flower), the task and queue names,
-and ``send_job``. The scheduler, the web UI and the reconciler build a client app
+publication, connection retry, task events for Flower), the task and queue names
+with their bindings (each queue on a direct exchange of its own name), and
+``send_job``. A lost broker connection does not cancel the lives in progress: each
+lands through the compare-and-swap push and the write-once observation, and the
+redelivery that may follow finds the lineage moved on (stale) or held (busy).
+
+The scheduler, the web UI and the reconciler build a client app
 here, which loads no instrument: only ``worker.fleet.tasks`` (through
 ``worker.celery``) builds the app that runs generations.
 
@@ -13,7 +18,8 @@ Trusts: its settings and the broker.
 from __future__ import annotations
 
 from celery import Celery
-from kombu import Queue
+from celery.app.amqp import AMQP
+from kombu import Exchange, Queue
 
 from worker.fleet.planner import Send
 from worker.fleet.settings import Settings
@@ -26,9 +32,9 @@ CONTROL_QUEUE = "ouroboros.control"
 SOFT_LIMIT_MARGIN_SECONDS = 30
 
 
-def client_app(settings: Settings) -> Celery:
+def client_app(settings: Settings, amqp: type[AMQP] | None = None) -> Celery:
     """A Celery app bound to the fleet's broker, with no task of its own."""
-    app = Celery("ouroboros", broker=settings.broker, set_as_current=False)
+    app = Celery("ouroboros", broker=settings.broker, set_as_current=False, amqp=amqp)
     app.conf.update(
         accept_content=["json"],
         task_serializer="json",
@@ -39,12 +45,16 @@ def client_app(settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         worker_concurrency=settings.concurrency,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # A blip must not throw away a paid life: correctness rests on the push and the
+        # observation, so the life lands and its redelivery is harmlessly stale or busy.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
         worker_send_task_events=True,
         task_send_sent_event=True,
         task_default_queue=CONTROL_QUEUE,
+        task_default_exchange=CONTROL_QUEUE,
+        task_default_routing_key=CONTROL_QUEUE,
         task_routes={RECONCILE_TASK: {"queue": CONTROL_QUEUE}},
         beat_schedule={
             "reconcile": {"task": RECONCILE_TASK, "schedule": settings.reconcile_interval_seconds}
@@ -55,7 +65,10 @@ def client_app(settings: Settings) -> Celery:
 
 def serve(app: Celery, instrument_queue: str) -> None:
     """Make ``app`` consume its instrument's queue and the control queue."""
-    app.conf.task_queues = (Queue(instrument_queue), Queue(CONTROL_QUEUE))
+    app.conf.task_queues = tuple(
+        Queue(name, Exchange(name, type="direct"), routing_key=name)
+        for name in (instrument_queue, CONTROL_QUEUE)
+    )
 
 
 def sender(app: Celery) -> Send:

@@ -4,6 +4,15 @@ Owns the Redis keys that save wasted work: a per-lineage lease held while a
 generation runs (so a duplicated message does not run the same life twice), an
 in-flight marker set when a job is enqueued (so the reconciler does not enqueue a
 second one) and a blocked marker with the reason a lineage cannot advance here.
+
+A lease names its holder (host, boot, pid and the process's start time), so the
+redelivered copy of a job whose pool child was killed takes over the dead holder's
+lease at once instead of waiting for it to expire; a holder on another host is only
+ever outlived by its lease's expiry. Once a worker has fetched a job, the job's marker
+lives ``lease_seconds`` from then on, renewed by the worker while it holds the message
+(``keep_marker``) and by the lease's heartbeat while the life runs: a worker killed
+between fetching a job and starting it is noticed as soon as one that dies mid-life.
+
 Correctness never rests on these: the compare-and-swap push and the write-once
 observation make a lost lease or marker harmless. Losing all of Redis loses only
 these hints; the reconciler rebuilds progress from the repository and the store.
@@ -12,10 +21,13 @@ these hints; the reconciler rebuilds progress from the repository and the store.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import redis
 
@@ -33,6 +45,37 @@ def redis_client(settings: Settings) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
 
 
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot, None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its end.
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+def holder_name(pid: int | None = None) -> str:
+    """This process as a lease holder: host, boot, pid and start time (a reused pid differs)."""
+    pid = pid or os.getpid()
+    return f"{socket.gethostname()}:{_boot_id()}:{pid}:{_start_time(pid)}"
+
+
+def holder_dead(token: str) -> bool:
+    """True if ``token``'s holder ran on this host, since this boot, and is gone."""
+    host, boot, pid, started = [*token.rsplit("/", 1)[0].split(":"), "", "", "", ""][:4]
+    if host != socket.gethostname() or boot != _boot_id() or not pid.isdigit():
+        return False
+    return _start_time(int(pid)) != started
+
+
 class Lease:
     """An expiring per-lineage lock; release only removes the holder's own lease."""
 
@@ -45,15 +88,33 @@ class Lease:
         self.client = client
         self.key = f"{PREFIX}:lease:{lineage}"
         self.ttl = ttl_seconds
-        self.token = secrets.token_hex(16)
+        self.token = f"{holder_name()}/{secrets.token_hex(8)}"
 
     _RENEW = (
         "if redis.call('get', KEYS[1]) == ARGV[1] then "
         "return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
     )
 
+    _TAKE_OVER = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3]) end return 0"
+    )
+
     def acquire(self) -> bool:
-        return bool(self.client.set(self.key, self.token, nx=True, ex=self.ttl))
+        """Take the lease if it is free, or if its holder died on this very host."""
+        if self.client.set(self.key, self.token, nx=True, ex=self.ttl):
+            return True
+        current = self.client.get(self.key)
+        if current is None or not holder_dead(current.decode(errors="replace")):
+            return False
+        if not self.client.eval(self._TAKE_OVER, 1, self.key, current, self.token, self.ttl):
+            return False
+        log.warning(
+            "%s: took over the lease of a dead holder (%s)",
+            self.key.rsplit(":", 1)[1],
+            current.decode(errors="replace").rsplit("/", 1)[0],
+        )
+        return True
 
     def renew(self) -> bool:
         return bool(self.client.eval(self._RENEW, 1, self.key, self.token, self.ttl))
@@ -89,8 +150,12 @@ def holding(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) ->
     finally:
         done.set()
         heart.join()
-        clear_in_flight(client, lineage, job_id)
-        lease.release()
+        try:
+            clear_in_flight(client, lineage, job_id)
+            lease.release()
+        except redis.RedisError as exc:
+            # The broker is away: both expire within ttl_seconds on their own.
+            log.warning("%s: could not release the lease of %s (%s)", lineage, job_id, exc)
 
 
 def _heartbeat(lease: Lease, lineage: str, job_id: str, done: threading.Event) -> None:
@@ -104,8 +169,8 @@ def _heartbeat(lease: Lease, lineage: str, job_id: str, done: threading.Event) -
                 log.warning(
                     "%s: the lease of %s was lost; not renewing its marker", lineage, job_id
                 )
-        except redis.RedisError:  # a broker hiccup: correctness never rests on the lease
-            log.warning("%s: lease renewal failed", lineage, exc_info=True)
+        except redis.RedisError as exc:  # a broker hiccup: correctness never rests on the lease
+            log.warning("%s: lease renewal failed (%s)", lineage, exc)
 
 
 def lease_held(client: redis.Redis, lineage: str) -> bool:
@@ -120,6 +185,12 @@ def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: 
 def claim_running(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
     """Mark ``job_id`` as the lineage's running job, for as long as its heartbeat lasts."""
     client.set(f"{PREFIX}:inflight:{lineage}", job_id, ex=ttl_seconds)
+
+
+def keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> bool:
+    """Make ``job_id``'s marker (if it is still the lineage's) expire ``ttl_seconds`` from now."""
+    key = f"{PREFIX}:inflight:{lineage}"
+    return bool(client.eval(Lease._RENEW, 1, key, job_id, ttl_seconds))
 
 
 def in_flight(client: redis.Redis, lineage: str) -> str | None:

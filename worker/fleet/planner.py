@@ -5,13 +5,16 @@ generation of a lineage is in flight, and sending the next job (through a ``send
 callable, so the rules run without Celery). The pure rules of a run (its progress,
 why it stopped, its next job) are ``worker.fleet.runs``. Both the worker (right after a generation
 lands) and the reconciler (after a lost message, a Redis restart or a dead worker)
-plan through ``Planner.enqueue``; a duplicate it may cause is harmless.
+plan through ``Planner.enqueue``; a duplicate it may cause is harmless. A store
+outage does not stop a reconcile pass: each lineage whose record cannot be read is
+skipped, and the outage is logged once when it starts and once when it ends.
 
 Trusts: the shared repository, the observation store and the broker.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -20,6 +23,7 @@ from decimal import Decimal
 import redis
 
 from worker.fleet import leases
+from worker.fleet.outage import Outage, probe
 from worker.fleet.runs import (
     Progress,
     RunRecord,
@@ -41,6 +45,7 @@ from worker.instrument.records import LineageIndex
 from worker.instrument.store import ObservationStore, StoreUnavailable
 
 Send = Callable[[GenerationJob, str, str, int], None]
+log = logging.getLogger("ouroboros.reconcile")
 
 
 class Planner:
@@ -58,6 +63,7 @@ class Planner:
         self.cache = cache
         self.client = client
         self.send = send
+        self.store_outage = Outage("the observation store", "reconciler", log)
 
     def lineages(self) -> list[str]:
         """Every lineage branch in the shared repository."""
@@ -210,4 +216,21 @@ class Planner:
 
     def reconcile(self) -> list[str]:
         """Enqueue every lineage whose run wants more and has nothing in flight."""
-        return [lineage for lineage in self.lineages() if self.enqueue(lineage) is not None]
+        enqueued: list[str] = []
+        failure: StoreUnavailable | None = None
+        for lineage in self.lineages():
+            try:
+                if self.enqueue(lineage) is not None:
+                    enqueued.append(lineage)
+            except StoreUnavailable as exc:
+                failure = exc  # the others may not need the store: go on with them
+        if failure is None:
+            try:
+                probe(self.store)
+            except StoreUnavailable as exc:
+                failure = exc
+        if failure is None:
+            self.store_outage.answered()
+        else:
+            self.store_outage.failed(failure)
+        return enqueued

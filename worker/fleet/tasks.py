@@ -5,10 +5,17 @@ Owns ``worker_app``, which ``worker.celery`` calls once to build the app that
 the queues this worker serves (its own instrument's ``gen.<fingerprint12>`` and the
 control queue), the generation task (validate the payload, hold the lineage's lease
 while the pipeline runs, then plan what comes next), the reconcile task that beat
-schedules, and the start-up preflight (a working ceiling, the spool drained).
+schedules, the start-up preflight (a working ceiling, the spool drained), and the
+main process's watch over what it holds: the markers of the jobs it has fetched
+(renewed every third of ``lease_seconds`` until each job ends, so a worker killed
+before its pool child starts a job is noticed within ``lease_seconds``) and the
+observation store (probed with every spool retry; its outages are logged once when
+they start and once when they end).
 
-Trusts: its settings, its instrument and the broker. Trusts no message: a payload
-that is not a valid job is rejected with a logged reason and the worker serves on.
+Trusts: its settings, its instrument and the broker. Trusts no message: the transport
+(``worker.fleet.transport``) drops whatever is not a JSON Celery message of a task this
+queue carries, and a payload that is not a valid job is rejected with a logged reason;
+either way the worker serves on.
 """
 
 from __future__ import annotations
@@ -17,17 +24,32 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from functools import cache
 
+import redis
 from celery import Celery, Task, signals
+from celery.exceptions import CPendingDeprecationWarning
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
 from worker.fleet import embedded_redis, leases
-from worker.fleet.app import GENERATION_TASK, RECONCILE_TASK, client_app, sender, serve
+from worker.fleet.app import (
+    CONTROL_QUEUE,
+    GENERATION_TASK,
+    RECONCILE_TASK,
+    client_app,
+    sender,
+    serve,
+)
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
+from worker.fleet.outage import Outage, probe
 from worker.fleet.planner import Planner
 from worker.fleet.settings import Settings
+from worker.fleet.transport import ScreeningAMQP
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.job import GenerationJob, GenerationReport
@@ -41,8 +63,18 @@ log = logging.getLogger("ouroboros.worker")
 
 def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     """The app of a sandbox host: its tasks, its queues and its start-up, for ``instrument``."""
-    app = client_app(settings)
+    app = client_app(settings, amqp=ScreeningAMQP)
     serve(app, instrument.queue)
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        "task_queues": {instrument.queue: [GENERATION_TASK], CONTROL_QUEUE: [RECONCILE_TASK]},
+    }
+    fetched: dict[str, str] = {}  # job id -> lineage, for the jobs this main process holds
+
+    @cache
+    def main_client() -> redis.Redis:
+        # The main process's own client; pool children never use it (they fork first).
+        return leases.redis_client(settings)
 
     @cache
     def pipeline() -> Pipeline:
@@ -113,6 +145,33 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         threading.Thread(
             target=_drain_forever, args=(pipeline, settings), name="spool-drain", daemon=True
         ).start()
+        threading.Thread(
+            target=_keep_fetched_markers,
+            args=(fetched, main_client, settings.lease_seconds),
+            name="fetched-markers",
+            daemon=True,
+        ).start()
+
+    @signals.task_received.connect(weak=False)
+    def on_fetched(request: Request, **_: object) -> None:
+        """From now on the job's marker lives as long as this worker holds the job."""
+        if request.name != GENERATION_TASK:
+            return
+        try:
+            job = GenerationJob.model_validate((request.kwargs or {}).get("payload"))
+        except (ValidationError, AttributeError):
+            return  # the pool child rejects it, with its reasons
+        fetched[request.id] = job.lineage
+        _keep_marker(main_client(), job.lineage, request.id, settings.lease_seconds)
+
+    @signals.celeryd_after_setup.connect(weak=False)
+    def quiet_connection_loss(**_: object) -> None:
+        # Celery warns at every connection loss that a future release will cancel running
+        # tasks by default. This fleet decided not to (worker.fleet.app): the warning is
+        # noise. Installed here because Celery's logging set-up re-enables its warnings.
+        warnings.filterwarnings(
+            "ignore", message=r"\s*In Celery 5.1 we introduced", category=CPendingDeprecationWarning
+        )
 
     @signals.worker_process_init.connect(weak=False)
     def fresh_clients(**_: object) -> None:
@@ -145,14 +204,43 @@ def _plan_next(planner: Planner, job: GenerationJob, report: GenerationReport | 
             # Stale, refused elsewhere, finished, or superseded by a newer run: ask the
             # durable record what (if anything) comes next.
             planner.enqueue(job.lineage)
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, redis.RedisError, OperationalError) as exc:
+        # The generation landed; only its follow-up waits, for the reconciler's next pass.
         log.warning("%s: cannot plan now (%s); the reconciler will", job.lineage, exc)
 
 
+def _keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
+    try:
+        leases.keep_marker(client, lineage, job_id, ttl_seconds)
+    except redis.RedisError as exc:
+        log.warning("%s: could not renew the marker of %s (%s)", lineage, job_id, exc)
+
+
+def _keep_fetched_markers(
+    fetched: dict[str, str], client: Callable[[], redis.Redis], ttl_seconds: int
+) -> None:
+    """Renew the marker of every job this process still holds; forget the finished ones."""
+    while True:
+        time.sleep(ttl_seconds / 3)
+        held = {request.id for request in list(worker_state.reserved_requests)}
+        for job_id, lineage in list(fetched.items()):
+            if job_id in held:
+                _keep_marker(client(), lineage, job_id, ttl_seconds)
+            else:
+                fetched.pop(job_id, None)
+
+
 def _drain_forever(pipeline: Callable[[], Pipeline], settings: Settings) -> None:
+    store = Outage("the observation store", "worker", log)
     while True:
         time.sleep(settings.spool_retry_seconds)
         try:
             pipeline().drain()
+            probe(pipeline().store)
+        except StoreUnavailable as exc:
+            store.failed(exc)
+            continue
         except Exception:  # keep retrying: the spool is the only copy until it lands
             log.exception("spool drain failed; retrying in %ss", settings.spool_retry_seconds)
+            continue
+        store.answered()

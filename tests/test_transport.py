@@ -1,0 +1,94 @@
+"""The worker transport's screen, fast: real messages pass it, every malformed shape is named.
+
+Messages are published by the real clients (Celery's ``send_task``, kombu's Producer)
+onto a private database of the machine's Redis and popped raw off the list, exactly
+as the worker's ``BRPOP`` sees them. The end-to-end drop by a running worker is in
+``tests/test_fleet_faults.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+from kombu import Connection, Producer
+from lineage_support import task_envelope
+
+from worker.fleet.app import GENERATION_TASK, RECONCILE_TASK, client_app
+from worker.fleet.settings import Settings
+from worker.fleet.transport import MAX_MESSAGE_BYTES, envelope_problem, problem
+
+QUEUE = "gen.0123456789ab"
+TASKS = frozenset({GENERATION_TASK})
+
+
+def _popped(url: str) -> bytes:
+    raw = redis.Redis.from_url(url).rpop(QUEUE)
+    assert raw is not None
+    return raw
+
+
+def test_a_job_sent_by_the_fleets_own_client_passes(redis_url: str) -> None:
+    app = client_app(Settings(broker_url=redis_url))
+    app.send_task(GENERATION_TASK, kwargs={"payload": {"lineage": "x"}}, queue=QUEUE)
+    assert problem(_popped(redis_url), tasks=TASKS) is None
+
+
+def test_a_pickled_message_is_refused_by_content_type(redis_url: str) -> None:
+    with Connection(redis_url) as connection:
+        Producer(connection).publish(
+            [[], {}, {}],
+            serializer="pickle",
+            routing_key=QUEUE,
+            exchange="",
+            headers={"task": GENERATION_TASK, "id": "p"},
+        )
+    why = problem(_popped(redis_url), tasks=TASKS)
+    assert why == (
+        "content type 'application/x-python-serialize' refused: this fleet accepts JSON only"
+    )
+
+
+def test_a_task_this_queue_does_not_carry_is_refused(redis_url: str) -> None:
+    app = client_app(Settings(broker_url=redis_url))
+    app.send_task(RECONCILE_TASK, queue=QUEUE)
+    why = problem(_popped(redis_url), tasks=TASKS)
+    assert why == f"unknown task '{RECONCILE_TASK}': this queue carries {GENERATION_TASK}"
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b"\x80\x04 not json", "not JSON"),
+        (b"[1, 2, 3]", "not a kombu message envelope"),
+        (
+            json.dumps({**task_envelope(GENERATION_TASK, [[], {}, {}]), "properties": {}}).encode(),
+            "not a kombu message envelope (properties.delivery_tag: Field required",
+        ),
+        (
+            json.dumps(task_envelope(GENERATION_TASK, {"not": "a task body"})).encode(),
+            "the body is not a Celery task body [args, kwargs, embed]",
+        ),
+        (
+            json.dumps({**task_envelope(GENERATION_TASK, []), "body": "%%%"}).encode(),
+            "the body is not base64-encoded JSON",
+        ),
+        (
+            json.dumps(
+                task_envelope(GENERATION_TASK, [[], {"x": "x" * MAX_MESSAGE_BYTES}, {}])
+            ).encode(),
+            "-byte limit",
+        ),
+    ],
+    ids=["not-json", "not-an-envelope", "no-delivery-tag", "bad-body", "not-base64", "oversized"],
+)
+def test_each_malformed_shape_is_named(raw: bytes, why: str) -> None:
+    reason = problem(raw, tasks=TASKS)
+    assert reason is not None and why in reason
+
+
+def test_a_broadcast_is_checked_for_its_envelope_only() -> None:
+    control = task_envelope("anything", {"method": "ping"})
+    assert envelope_problem(control, tasks=None) is None
+    assert envelope_problem({"method": "ping"}, tasks=None) is not None
