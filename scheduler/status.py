@@ -54,7 +54,8 @@ class LineageStatus(BaseModel):
     blocked: str | None
     queue: str | None
     instrument_fingerprint: str | None
-    # Hostnames of the live workers consuming ``queue``; None when the broker did not answer.
+    # Hostnames of the live workers consuming ``queue``; None when they were not asked (no
+    # run wants generations) or the broker did not answer.
     workers: list[str] | None
     # Hostnames of live workers serving other instruments' queues and not ``queue``.
     other_instrument_workers: list[str]

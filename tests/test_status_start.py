@@ -31,7 +31,7 @@ def test_status_without_a_running_run_sends_no_broadcast(tmp_path: Path) -> None
         (row,) = busy.statuses(["idle"])
         assert row.run_id is not None and row.stopped is None
         assert "app" in busy.__dict__
-        # No worker answers here: unknown, never reported as "waiting".
-        assert row.waiting_for_instrument is False
+        # The broker answers and no worker serves the queue: the run is reported waiting.
+        assert row.waiting_for_instrument is True and row.workers == []
     finally:
         embedded_redis.stop(settings)
