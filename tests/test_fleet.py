@@ -410,6 +410,23 @@ def test_cancel_stops_a_run_after_the_generation_in_flight(
     assert rows[0]["stopped"] == "cancelled"
 
 
+def test_a_run_started_over_a_queued_one_replaces_it(fleet: Fleet, workers: list[Worker]) -> None:
+    fleet.ok("init", "again", *SMALL_PHYSICS)
+    fleet.ok("run", "again", "--generations", "1")  # no worker yet: its job waits queued
+    fleet.ok("run", "again", "--generations", "1")
+    start(fleet, workers, "w1")
+
+    def landed() -> dict[str, object] | None:
+        row = json.loads(fleet.ok("status", "again", "--json").stdout)[0]
+        return row if row["stopped"] else None
+
+    row = wait_for(landed, 180, "the second run to land its generation")
+    # The generation is the new run's, paid from its budget, not the replaced run's.
+    assert (row["generation"], row["done"], row["stopped"]) == (1, 1, "target reached"), row
+    assert row["run_outcomes"] == {"changed": 1} and float(row["spent_usd"]) > 0, row
+    assert_linear(fleet, "again", 1)
+
+
 IMMUTABLE_CHECK = """
 import os, sys
 from pathlib import Path

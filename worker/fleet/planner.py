@@ -122,9 +122,13 @@ class Planner:
         )
         previous = self.latest_run(lineage)
         if previous is not None and previous.status == "active":
-            # At most one run drives a lineage: the old one ends where the new one starts.
+            # At most one run drives a lineage: the old one ends where the new one starts,
+            # and a job of it still queued is dropped by the worker that fetches it.
             self.save_run(
                 previous.model_copy(update={"status": "cancelled", "cancelled_at": run.created_at})
+            )
+            leases.request_cancel(
+                self.client, lineage, previous.run_id, self.settings.visibility_timeout_seconds
             )
         self.save_run(run)
         return run

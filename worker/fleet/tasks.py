@@ -98,6 +98,13 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         if job is None:
             return "rejected"
         client = leases.redis_client(settings)
+        if job.run_id and leases.cancel_requested(client, job.lineage, job.run_id):
+            # Cancelled, or replaced by a newer run, while it waited: its life must not
+            # be paid for; whatever the newest record wants comes next instead.
+            log.info("%s: run %s ended; not running %s", job.lineage, job.run_id, request.id)
+            leases.clear_in_flight(client, job.lineage, request.id)
+            _plan_next(planner(), job, None)
+            return "cancelled"
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         attempt = 1 + request.retries + int(redelivered)
         report = None
