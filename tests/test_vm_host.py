@@ -12,9 +12,9 @@ installed from this checkout with ``deploy/install.sh`` as the unprivileged
   ceiling ends ``cgroup_oom`` with its OOM kills and peak memory, and the source
   of each figure; an endless loop ends ``wall_timeout``; a fork bomb is held at
   the task ceiling;
-* the sandbox-identity walls hold under this real unprivileged worker: the life's
-  uid map is ``U U 1`` with U its own non-root uid, and nothing under /proc/sys is
-  writable;
+* the sandbox-identity walls hold under this real unprivileged worker: the life is
+  the worker's own non-root uid, the only one mapped in its namespace, and nothing
+  under /proc/sys is writable;
 
 on Debian 12's own systemd once with the systemd driver (``auto`` picks it) and
 once with ``OUROBOROS_CEILING=cgroup2`` in the subtree the service's
@@ -244,7 +244,11 @@ def test_the_life_is_its_own_unprivileged_uid_and_proc_sys_is_read_only(
     uid, uid_map = lives.host.show(name, "identity").splitlines()
     assert worker_uid != 0
     assert int(uid) == worker_uid
-    assert uid_map.split() == [str(worker_uid)] * 2 + ["1"]
+    # Seen from inside, one uid is mapped: the life's own. bwrap nests its namespace in
+    # one of its own (whose root is the worker's uid outside), so the outside column
+    # reads 0 here; the host-side view, U U 1, is test_sandbox_identity's (as root).
+    inside, _outside, count = uid_map.split()
+    assert (int(inside), count) == (worker_uid, "1")
     walls = lives.host.show(name, "walls").splitlines()
     assert "sys-writable 0" in walls
     assert "core-pattern-writable" not in walls
