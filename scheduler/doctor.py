@@ -53,19 +53,21 @@ def _attempt(name: str, probe: Callable[[], str]) -> Check:
         )
 
 
+def _ceiling(settings: Settings) -> str:
+    name = select_ceiling(settings.ceiling, settings.cgroup_parent).name
+    # Only the cgroup2 driver puts its scopes under OUROBOROS_CGROUP_PARENT; the
+    # systemd driver's units are wherever the user manager puts them.
+    if name == "cgroup2" and settings.cgroup_parent:
+        return f"{name} driver works (scopes under {settings.cgroup_parent})"
+    return f"{name} driver works"
+
+
 def checks(settings: Settings) -> list[Check]:
     results = [
         _binary("bwrap", "install bubblewrap (scripts/setup.sh)"),
         _attempt("emacs", lambda: str(resolve_emacs())),
         _binary("git", "install git (scripts/setup.sh)"),
-        _attempt(
-            "ceiling",
-            lambda: (
-                select_ceiling(settings.ceiling, settings.cgroup_parent).name
-                + " driver works"
-                + (f" (scopes under {settings.cgroup_parent})" if settings.cgroup_parent else "")
-            ),
-        ),
+        _attempt("ceiling", lambda: _ceiling(settings)),
         _broker(settings),
         _attempt(
             "repository",

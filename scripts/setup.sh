@@ -16,6 +16,12 @@ fi
 if [ "${OUROBOROS_SETUP_DOCKER:-1}" = 1 ]; then
   packages+=(docker.io debootstrap)
 fi
+# The VM test boots a Debian guest under QEMU (TCG: no KVM needed) from an image
+# scripts/vm-image.sh builds with debootstrap; openssh reaches into the guest and
+# serves the shared repository to it; nc carries each forwarded connection.
+if [ "${OUROBOROS_SETUP_VM:-1}" = 1 ]; then
+  packages+=(qemu-system-x86 qemu-utils debootstrap openssh-client openssh-server e2fsprogs netcat-openbsd)
+fi
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

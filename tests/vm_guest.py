@@ -1,0 +1,296 @@
+"""A booted Debian guest under QEMU, for the tests that need a real systemd host.
+
+Owns booting the image of ``scripts/vm-image.sh`` (TCG: no KVM is needed), the guest's
+network, running commands in it over ssh as root, powering it off, and installing
+this checkout's fleet in it with ``deploy/install.sh`` (``install_fleet``, which gives
+a ``Host``: the operator's commands, as root or as the ``ouroboros`` user). Every boot
+writes to a copy-on-write overlay of its own, so the cached image stays pristine and
+each test module starts from the same freshly built guest.
+
+The guest's network is QEMU's user mode with ``restrict=on``: the guest reaches no
+address at all, except the host's loopback ports the caller forwards by name
+(``guestfwd``: the guest connects to 10.0.2.100:PORT and QEMU runs ``nc`` to the
+host's 127.0.0.1:PORT for each connection), and the host reaches the guest's sshd
+through one forwarded loopback port.
+
+Trusts QEMU and the image; the guest itself is a test subject.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lineage_support import INSTRUMENT_COMMIT, free_port, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+# The address the guest dials to reach a forwarded host port.
+HOST_ALIAS = "10.0.2.100"
+MEMORY_MIB = 2048
+CPUS = 2
+WORKER_UNIT = "ouroboros-worker.service"
+
+
+def build_image(flavour: str = "bookworm", timeout: float = 3600) -> Path:
+    """The cached image directory of ``scripts/vm-image.sh`` (built first if need be)."""
+    done = subprocess.run(
+        [str(ROOT / "scripts/vm-image.sh"), "--systemd", flavour],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"scripts/vm-image.sh failed ({done.returncode}):\n{done.stderr}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+class Guest:
+    """One booted guest; ``host_ports`` are the host loopback ports it may dial."""
+
+    def __init__(self, image: Path, scratch: Path, host_ports: tuple[int, ...] = ()) -> None:
+        self.image = image
+        self.scratch = scratch
+        self.ssh_port = free_port()
+        self.console = scratch / "console.log"
+        self.overlay = scratch / "overlay.qcow2"
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b",
+             str(image / "rootfs.raw"), str(self.overlay)],
+            check=True,
+        )  # fmt: skip
+        network = f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22"
+        for port in host_ports:
+            network += f",guestfwd=tcp:{HOST_ALIAS}:{port}-cmd:nc 127.0.0.1 {port}"
+        self.command = [
+            "qemu-system-x86_64", "-accel", "tcg", "-cpu", "max",
+            "-smp", str(CPUS), "-m", str(MEMORY_MIB),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-kernel", str(image / "vmlinuz"), "-initrd", str(image / "initrd.img"),
+            "-append", "root=/dev/vda rw console=ttyS0 systemd.unified_cgroup_hierarchy=1"
+            " net.ifnames=0 panic=-1",
+            "-drive", f"file={self.overlay},if=virtio,format=qcow2,discard=unmap",
+            "-netdev", network, "-device", "virtio-net-pci,netdev=net0",
+            "-device", "virtio-rng-pci",
+            "-serial", f"file:{self.console}",
+        ]  # fmt: skip
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def boot(self, timeout: float = 600) -> float:
+        """Start QEMU and return the seconds until the guest's sshd answered."""
+        started = time.monotonic()
+        self.process = subprocess.Popen(
+            self.command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=(self.scratch / "qemu.log").open("wb"),
+            start_new_session=True,
+        )
+
+        def answers() -> bool:
+            if self.process is not None and self.process.poll() is not None:
+                raise AssertionError(f"QEMU exited {self.process.returncode}: {self.diagnosis()}")
+            return self.run("true", check=False, timeout=30).returncode == 0
+
+        wait_for(answers, timeout, "the guest's sshd", interval=2)
+        return time.monotonic() - started
+
+    def ssh_command(self, command: str) -> list[str]:
+        return [
+            "ssh", "-F", "/dev/null", "-i", str(self.image / "id_ed25519"),
+            "-p", str(self.ssh_port), "-o", "StrictHostKeyChecking=no",
+            "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=20", "-o", "LogLevel=ERROR",
+            "-o", "ServerAliveInterval=15", "root@127.0.0.1", command,
+        ]  # fmt: skip
+
+    def run(
+        self,
+        command: str,
+        *,
+        input: bytes | str | None = None,
+        timeout: float = 600,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
+        """``command`` run by bash as root in the guest."""
+        try:
+            done = subprocess.run(
+                self.ssh_command(f"bash -c {shlex.quote(command)}"),
+                input=input.decode() if isinstance(input, bytes) else input,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"guest command timed out after {timeout} s: {command}") from exc
+        if check and done.returncode != 0:
+            raise AssertionError(
+                f"guest command failed ({done.returncode}): {command}\n{done.stderr}{done.stdout}"
+            )
+        return done
+
+    def put(self, path: str, data: bytes, mode: str = "0644") -> None:
+        subprocess.run(
+            self.ssh_command(f"install -D -m {mode} /dev/stdin {shlex.quote(path)}"),
+            input=data,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+
+    def diagnosis(self) -> str:
+        """The end of the serial console, for a failure message."""
+        try:
+            return self.console.read_text(errors="replace")[-3000:]
+        except OSError:
+            return "(no console output)"
+
+    def power_off(self, timeout: float = 120) -> None:
+        """Pull the plug: QEMU ends at once, with nothing in the guest told."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout)
+
+    def shut_down(self, timeout: float = 180) -> None:
+        """A clean shutdown if the guest still answers, else pulling the plug."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.run("systemctl poweroff", check=False, timeout=60)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.power_off()
+
+
+# Runs a command as the worker's account, with the worker's settings, from its home.
+AS_OUROBOROS = """#!/bin/bash
+set -a
+. /etc/ouroboros/ouroboros.env
+. /opt/ouroboros/current/instrument.env
+set +a
+cd /var/lib/ouroboros
+exec runuser -u ouroboros -- env XDG_RUNTIME_DIR=/run/user/$(id -u ouroboros) \\
+  PYTHONDONTWRITEBYTECODE=1 "$@"
+"""
+
+
+class Host:
+    """The guest with the fleet installed, driven as its operator would."""
+
+    def __init__(self, guest: Guest, install: str) -> None:
+        self.guest = guest
+        self.install = install
+
+    def reinstall(self) -> None:
+        """deploy/install.sh again, as after a configuration change; it restarts the worker."""
+        self.guest.run(f"{self.install} --start", timeout=1800)
+
+    def as_ouroboros(self, command: str, timeout: float = 600) -> str:
+        return self.guest.run(f"as-ouroboros {command}", timeout=timeout).stdout
+
+    def cli(self, *args: str, timeout: float = 600) -> str:
+        quoted = " ".join(map(shlex.quote, args))
+        return self.as_ouroboros(
+            f"/opt/ouroboros/current/venv/bin/schedule-lineage {quoted}", timeout
+        )
+
+    def user_systemctl(self, *args: str) -> str:
+        return self.as_ouroboros("systemctl --user " + " ".join(args))
+
+    def doctor(self) -> str:
+        done = self.guest.run("/root/src/deploy/install.sh --doctor", check=False, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def show(self, lineage: str, path: str) -> str:
+        return self.as_ouroboros(
+            f"git --git-dir=/var/lib/ouroboros/lineages.git show lineage-{lineage}:{path}"
+        )
+
+    def observation(self, lineage: str, generation: int) -> dict[str, object]:
+        """The observation as stored (the default file store), without a Python start-up."""
+        path = (
+            f"/var/lib/ouroboros/observations/lineages/{lineage}/generations/{generation:06d}.json"
+        )
+        return json.loads(self.guest.run(f"cat {path}").stdout)  # type: ignore[no-any-return]
+
+
+def source_tar() -> bytes:
+    """This checkout's tracked and untracked files (not ignored ones), as a tar."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+    existing = b"\0".join(f for f in files.split(b"\0") if f and (ROOT / f.decode()).exists())
+    return subprocess.run(
+        ["tar", "--null", "-T", "-", "-cf", "-"],
+        input=existing,
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
+
+
+def project_wheel(directory: Path) -> Path:
+    """This checkout's wheel, built here: pip builds in seconds what takes minutes under TCG."""
+    source = directory / "source"
+    source.mkdir()
+    subprocess.run(["tar", "-C", str(source), "-xf", "-"], input=source_tar(), check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "-w",
+            str(directory),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = directory.glob("ouroboros_fleet-*.whl")
+    return wheel
+
+
+def install_fleet(guest: Guest) -> Host:
+    """This checkout installed with deploy/install.sh, its worker started; the operator's view.
+
+    The guest has no package registry: pip takes the dependencies' wheels built into
+    the image, and this project's wheel built here.
+    """
+    wheel = project_wheel(guest.scratch)
+    guest.run("mkdir -p /root/src && tar -C /root/src -xf -", input=source_tar())
+    guest.put(f"/root/{wheel.name}", wheel.read_bytes())
+    guest.put("/usr/local/bin/as-ouroboros", AS_OUROBOROS.encode(), mode="0755")
+    install = (
+        f"/root/src/deploy/install.sh --no-apt --wheel /root/{wheel.name} --pip-arg=--no-index"
+        f" --pip-arg=--find-links=/opt/ouroboros-wheels --instrument-commit {INSTRUMENT_COMMIT}"
+    )
+    guest.run(install, timeout=1800)
+    # Under TCG, compiling the dependencies' sources costs each Python process a minute
+    # or more; their bytecode is written once here. The instrument and the CLI
+    # (worker/, scheduler/) stay source-only, as every release runs them.
+    guest.run(
+        "/opt/ouroboros/current/venv/bin/python -m compileall -q -j 2"
+        " -x '/(worker|scheduler|sandbox_scripts)/' /opt/ouroboros/current/venv/lib >/dev/null",
+        timeout=1800,
+    )
+    # Two lives at once: the guest has two CPUs.
+    guest.run("echo OUROBOROS_CONCURRENCY=2 >>/etc/ouroboros/ouroboros.env")
+    host = Host(guest, install)
+    host.reinstall()
+    return host
