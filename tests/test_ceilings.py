@@ -548,6 +548,18 @@ def test_systemd_collector_of_another_cgroup_is_a_host_fault(standins: Path) -> 
     enclosure.close()
 
 
+def test_systemd_sweep_after_a_kill_spares_the_collector(standins: Path) -> None:
+    # A second SIGKILL to the unit after the wall-time one would also kill the
+    # ExecStopPost= collector: seen on systemd 252, where the life then had no figures.
+    enclosure = SystemdCeiling().open(Physics(), "lineage-1")
+    enclosure.kill("wall")
+    enclosure.kill()
+    enclosure.kill("overflow")
+    enclosure.close()
+    kills = [call for call in logged_calls(standins / "systemctl.args") if "kill" in call]
+    assert len(kills) == 1 and kills[0][-2:] == ["--signal=SIGKILL", enclosure.unit], kills
+
+
 def test_systemd_result_says_why_the_worker_killed_the_unit(standins: Path) -> None:
     (standins / "show").write_text("Result=signal\n")
     enclosure = SystemdCeiling().open(Physics(), "lineage-1")

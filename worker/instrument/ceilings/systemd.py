@@ -140,7 +140,10 @@ class SystemdEnclosure(Enclosure):
         ]
 
     def kill(self, cause: KillCause | None = None) -> None:
-        # The first cause stands: the sweep that follows a wall-time kill does not undo it.
+        if cause is None and self._cause is not None:
+            # The unit's cgroup already had its SIGKILL. A second one, the sweep, would land
+            # on the ExecStopPost= collector the manager runs there next: no figures at all.
+            return
         self._cause = self._cause or cause
         self._ceiling.systemctl("kill", "--signal=SIGKILL", self.unit)
 
