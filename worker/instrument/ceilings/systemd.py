@@ -140,11 +140,12 @@ class SystemdEnclosure(Enclosure):
         ]
 
     def kill(self, cause: KillCause | None = None) -> None:
-        if cause is None and self._cause is not None:
-            # The unit's cgroup already had its SIGKILL. A second one, the sweep, would land
-            # on the ExecStopPost= collector the manager runs there next: no figures at all.
+        if self._cause is not None:
+            # The unit's cgroup already had its SIGKILL, and the first cause stands. A second
+            # one (the sweep) would land on the ExecStopPost= collector the manager runs
+            # there next, and the life would have no figures at all.
             return
-        self._cause = self._cause or cause
+        self._cause = cause
         self._ceiling.systemctl("kill", "--signal=SIGKILL", self.unit)
 
     def figures(self) -> Figures:
