@@ -1,0 +1,169 @@
+"""The trusted git path attacked: dead lock holders, racing writers, hostile bundles.
+
+A writer SIGKILLed while it holds a branch's lock (a real process, killed inside its
+ref transaction) must not stop the lineage for good; a live writer's lock must still
+refuse a push. Writers racing on one lineage from separate processes must neither
+lose nor double a generation. A bundle imported with ``import-bundle`` goes through
+git's object checks, with the path warnings (``.git``, ``..``, a name holding "/")
+made errors, so no tree that git itself would not check out enters the shared
+repository. Real bare repositories, real processes, the git binary to read back.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from lineage_support import SMALL_PHYSICS, Fleet, seed_file
+
+from worker.instrument.gitrepo import (
+    STALE_LOCK_SECONDS,
+    Entry,
+    GitError,
+    LineageCache,
+    branch_ref,
+    ensure_shared_repo,
+    run_git,
+)
+
+# Holds the transaction's lock of one ref, says so, and waits to be killed.
+_HOLDER = """
+import sys, time, pygit2
+repo = pygit2.Repository(sys.argv[1])
+with repo.transaction() as transaction:
+    transaction.lock_ref(sys.argv[2])
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def git(repo: Path, *args: str) -> str:
+    return run_git(repo, *args).stdout.decode().strip()
+
+
+def killed_holding(repo: Path, ref: str) -> Path:
+    """The lock file a real writer left when SIGKILLed inside its ref transaction."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(repo), ref], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    lock = repo / f"{ref}.lock"
+    assert lock.exists()
+    return lock
+
+
+def age(lock: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(lock, (then, then))
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    path = tmp_path / "shared.git"
+    ensure_shared_repo(str(path))
+    return path
+
+
+def seeded(cache: LineageCache, lineage: str) -> str:
+    commit = cache.commit(None, {"organism.el": Entry("100644", cache.hash_bytes(b"()"))}, "seed")
+    assert cache.push_cas(lineage, commit, None)
+    return commit
+
+
+def generation(cache: LineageCache, parent: str, number: int, body: bytes) -> str:
+    entries = {**cache.tree(parent), "organism.el": Entry("100644", cache.hash_bytes(body))}
+    return cache.commit(parent, entries, f"gen {number}: changed")
+
+
+def test_a_branch_lock_left_by_a_killed_writer_is_broken_once_stale(
+    shared: Path, tmp_path: Path
+) -> None:
+    cache = LineageCache(tmp_path / "cache", str(shared))
+    seed = seeded(cache, "orphan")
+    lock = killed_holding(shared, branch_ref("orphan"))
+    first = generation(cache, seed, 1, b"(one)")
+    # Young, it may be a live writer's: the push is a lost race and the lock stays.
+    assert not cache.push_cas("orphan", first, seed)
+    assert lock.exists()
+    assert git(shared, "rev-parse", branch_ref("orphan")) == seed
+
+    age(lock, STALE_LOCK_SECONDS + 60)
+    assert cache.push_cas("orphan", first, seed)
+    assert not lock.exists()
+    assert git(shared, "rev-parse", branch_ref("orphan")) == first
+    # Breaking a lock never bypasses the compare-and-swap.
+    age(killed_holding(shared, branch_ref("orphan")), STALE_LOCK_SECONDS + 60)
+    assert not cache.push_cas("orphan", generation(cache, seed, 1, b"(late)"), seed)
+    assert git(shared, "rev-parse", branch_ref("orphan")) == first
+    run_git(shared, "fsck", "--strict", "--no-dangling")
+
+
+def test_a_tracking_lock_in_the_cache_is_retried_and_broken_once_stale(
+    shared: Path, tmp_path: Path
+) -> None:
+    writer = LineageCache(tmp_path / "writer", str(shared))
+    seed = seeded(writer, "tracked")
+    reader = LineageCache(tmp_path / "reader", str(shared))
+    lock = killed_holding(reader.git_dir, reader.tracking_ref("tracked"))
+    # A held lock is contention on this host: retried, then one GitError (not libgit2's
+    # OSError escaping the retries).
+    with pytest.raises(GitError, match="kept losing its lock"):
+        reader.fetch("tracked")
+    age(lock, STALE_LOCK_SECONDS + 60)
+    assert reader.fetch("tracked") == seed
+    assert not lock.exists()
+
+
+def _racer(shared: str, cache: str, lineage: str, tries: int, tag: str) -> int:
+    """Generations this writer landed, each built on the head it fetched."""
+    writer = LineageCache(Path(cache), shared)
+    landed = 0
+    for attempt in range(tries):
+        head = writer.fetch(lineage)
+        assert head is not None
+        number = writer.history(lineage, head).generations + 1
+        made = generation(writer, head, number, f"({tag} {attempt})".encode())
+        landed += writer.push_cas(lineage, made, head)
+    return landed
+
+
+def test_racing_writers_never_lose_or_double_a_generation(shared: Path, tmp_path: Path) -> None:
+    seeded(LineageCache(tmp_path / "seeder", str(shared)), "raced")
+    tries = 40
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        landed = pool.starmap(
+            _racer,
+            [(str(shared), str(tmp_path / f"w{n}"), "raced", tries, f"w{n}") for n in range(3)],
+        )
+    subjects = git(shared, "log", "--first-parent", "--format=%s", branch_ref("raced")).split("\n")
+    numbered = [s.split(":")[0] for s in reversed(subjects[:-1])]
+    # Every landed push is exactly one generation, numbered in order, with no gap.
+    assert numbered == [f"gen {n}" for n in range(1, sum(landed) + 1)]
+    assert sum(landed) >= tries
+    run_git(shared, "fsck", "--strict", "--no-dangling")
+    assert git(shared, "for-each-ref", "--format=%(refname)") == branch_ref("raced")
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_lineage_goes_on_after_a_writer_died_holding_its_branch(tmp_path: Path) -> None:
+    """End to end: ``run --local`` after a real SIGKILL inside the ref transaction."""
+    fleet = Fleet(tmp_path)
+    seed = seed_file(tmp_path, '(with-temp-file "/work/state.el" (insert "1"))\n')
+    fleet.ok("init", "phoenix", "--seed", str(seed), *SMALL_PHYSICS)
+    fleet.ok("init", "other", *SMALL_PHYSICS)
+    age(killed_holding(fleet.repo, branch_ref("phoenix")), STALE_LOCK_SECONDS + 60)
+    fleet.ok("run", "phoenix", "--generations", "1", "--local")
+    assert fleet.subjects("phoenix")[0].startswith("gen 1:")
+    assert fleet.observation_numbers("phoenix") == [1]
+    refs = git(fleet.repo, "for-each-ref", "--format=%(refname)").split("\n")
+    assert sorted(refs) == [branch_ref("other"), branch_ref("phoenix")]
