@@ -16,6 +16,7 @@ import io
 import json
 import os
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -33,6 +34,7 @@ from scheduler.verify import check
 from worker.fleet.assembly import observation_store
 from worker.fleet.runs import RunRecord, new_run_id
 from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import IDENTITY, run_git
 from worker.instrument.keys import run_key
 
 Members = dict[str, bytes]
@@ -314,6 +316,49 @@ def wrong_sum(m: Members) -> str:
     return f"problem: sum: metadata.json has sha256 {actual}, the manifest says {'0' * 64}"
 
 
+def dot_git_on_top_of_the_branch(m: Members) -> str:
+    """A hand commit on the branch whose tree holds .git/config: git refuses to check it
+    out, and a fetch from a bundle (git's unbundle) runs no object checks of its own."""
+    manifest = json.loads(m["manifest.json"])
+    ref = f"refs/heads/lineage-{manifest['lineage']}"
+    with tempfile.TemporaryDirectory() as scratch:
+        repo, bundle = Path(scratch) / "r.git", Path(scratch) / "b.bundle"
+        run_git(repo, "init", "--bare", "--quiet")
+        bundle.write_bytes(m["lineage.bundle"])
+        run_git(repo, "fetch", "--quiet", str(bundle), f"{ref}:{ref}")
+        blob = run_git(repo, "hash-object", "-w", "--stdin", input=b"[core]\n").stdout.decode()
+        inner = b"100644 config\0" + bytes.fromhex(blob.strip())
+        sub = run_git(repo, "hash-object", "-w", "-t", "tree", "--stdin", input=inner)
+        top = run_git(repo, "cat-file", "tree", f"{manifest['head']}^{{tree}}").stdout
+        tree = (
+            run_git(
+                repo,
+                "hash-object",
+                "-w",
+                "-t",
+                "tree",
+                "--literally",
+                "--stdin",
+                input=b"40000 .git\0" + bytes.fromhex(sub.stdout.decode().strip()) + top,
+            )
+            .stdout.decode()
+            .strip()
+        )
+        head = (
+            run_git(repo, "commit-tree", tree, "-p", manifest["head"], "-m", "hand", env=IDENTITY)
+            .stdout.decode()
+            .strip()
+        )
+        run_git(repo, "update-ref", ref, head)
+        run_git(repo, "bundle", "create", str(bundle), ref)
+        m["lineage.bundle"] = bundle.read_bytes()
+    _resum(m, "lineage.bundle")
+    manifest = json.loads(m["manifest.json"])
+    manifest["head"] = head
+    m["manifest.json"] = json.dumps(manifest).encode()
+    return "problem: lineage.bundle: git refused its objects (error in tree "
+
+
 TAMPERINGS: list[Callable[[Members], str]] = [
     changed_observation,
     changed_observation_resummed,
@@ -323,6 +368,7 @@ TAMPERINGS: list[Callable[[Members], str]] = [
     extra_observation,
     extra_observation_listed,
     wrong_sum,
+    dot_git_on_top_of_the_branch,
 ]
 
 

@@ -23,6 +23,7 @@ import pytest
 from lineage_support import SMALL_PHYSICS, Fleet, seed_file
 
 from worker.instrument.gitrepo import (
+    IDENTITY,
     STALE_LOCK_SECONDS,
     Entry,
     GitError,
@@ -167,3 +168,93 @@ def test_a_lineage_goes_on_after_a_writer_died_holding_its_branch(tmp_path: Path
     assert fleet.observation_numbers("phoenix") == [1]
     refs = git(fleet.repo, "for-each-ref", "--format=%(refname)").split("\n")
     assert sorted(refs) == [branch_ref("other"), branch_ref("phoenix")]
+
+
+def _tree(repo: Path, entries: list[tuple[bytes, str, str]]) -> str:
+    """A tree object written as given, names and modes unchecked (as a hostile one is)."""
+    ordered = sorted(entries, key=lambda e: e[0] + (b"/" if e[1] == "40000" else b""))
+    data = b"".join(
+        f"{mode} ".encode() + name + b"\0" + bytes.fromhex(sha) for name, mode, sha in ordered
+    )
+    return (
+        run_git(repo, "hash-object", "-w", "-t", "tree", "--literally", "--stdin", input=data)
+        .stdout.decode()
+        .strip()
+    )
+
+
+def _hostile_bundle(directory: Path, make: str) -> Path:
+    """A complete one-branch bundle whose seed holds organism.el and the hostile ``make``."""
+    repo = directory / "forge.git"
+    run_git(repo, "init", "--bare", "--quiet")
+    blob = run_git(repo, "hash-object", "-w", "--stdin", input=b"(x)\n").stdout.decode().strip()
+    sub = _tree(repo, [(b"config", "100644", blob)])
+    extra = {
+        "dot-git": [(b".git", "40000", sub)],
+        "ntfs-dot-git": [(b"GIT~1", "40000", sub)],
+        "dot-dot": [(b"..", "40000", sub)],
+        "slash-in-name": [(b"a/../../escape", "100644", blob)],
+        "gitmodules-symlink": [(b".gitmodules", "120000", blob)],
+        "zero-padded-mode": [(b"z", "0100644", blob)],
+        "missing-blob": [(b"ghost", "100644", "0123456789" * 4)],
+    }
+    tree = _tree(repo, [(b"organism.el", "100644", blob), *extra.get(make, [])])
+    if make == "no-author":
+        body = f"tree {tree}\ncommitter x <x@y> 0 +0000\n\nseed\n".encode()
+        commit = run_git(
+            repo, "hash-object", "-w", "-t", "commit", "--literally", "--stdin", input=body
+        )
+        head = commit.stdout.decode().strip()
+    else:
+        head = (
+            run_git(repo, "commit-tree", tree, "-m", "seed", env=IDENTITY).stdout.decode().strip()
+        )
+    run_git(repo, "update-ref", "refs/heads/hostile", head)
+    bundle = directory / f"{make}.bundle"
+    if make == "missing-blob":
+        # git bundle create walks the objects and would not write one; the pack is
+        # built by hand from the objects that exist, under a valid bundle header.
+        objects = run_git(repo, "rev-list", "--objects", "--missing=print", head).stdout.decode()
+        present = "\n".join(
+            line.split()[0] for line in objects.splitlines() if not line.startswith("?")
+        )
+        pack = run_git(repo, "pack-objects", "--stdout", input=present.encode() + b"\n").stdout
+        bundle.write_bytes(f"# v2 git bundle\n{head} refs/heads/hostile\n\n".encode() + pack)
+    else:
+        run_git(repo, "bundle", "create", str(bundle), "refs/heads/hostile")
+    return bundle
+
+
+HOSTILE_BUNDLES = {
+    "dot-git": "hasDotgit",
+    "ntfs-dot-git": "hasDotgit",
+    "dot-dot": "hasDotdot",
+    "slash-in-name": "fullPathname",
+    "gitmodules-symlink": "gitmodulesSymlink",
+    "zero-padded-mode": "zeroPaddedFilemode",
+    "no-author": "missingAuthor",
+    "missing-blob": "did not send all necessary objects",
+}
+
+
+@pytest.mark.parametrize("make", sorted(HOSTILE_BUNDLES))
+def test_import_bundle_refuses_objects_git_refuses_and_writes_nothing(
+    tmp_path: Path, make: str
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "kept", *SMALL_PHYSICS)
+    before = sorted(p.relative_to(fleet.repo) for p in fleet.repo.rglob("*") if p.is_file())
+    refused = fleet.cli("import-bundle", str(_hostile_bundle(tmp_path, make)), "evil")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert HOSTILE_BUNDLES[make] in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    after = sorted(p.relative_to(fleet.repo) for p in fleet.repo.rglob("*") if p.is_file())
+    assert after == before
+    run_git(fleet.repo, "fsck", "--strict", "--no-dangling")
+
+
+def test_import_bundle_takes_a_clean_bundle_and_fsck_stays_strict(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("import-bundle", str(_hostile_bundle(tmp_path, "clean")), "clean")
+    run_git(fleet.repo, "fsck", "--strict", "--no-dangling")
+    assert git(fleet.repo, "for-each-ref", "--format=%(refname)") == branch_ref("clean")
