@@ -509,3 +509,26 @@ def test_export_refusals(published: Published, tmp_path: Path) -> None:
         assert len(result.stderr.strip().splitlines()) == 1
     assert existing.read_text() == "mine\n"
     assert not list(tmp_path.glob("*.ouroboros.tar.gz"))
+
+
+def test_a_fork_whose_parent_here_is_another_lineage_is_refused(
+    published: Published, tmp_path: Path
+) -> None:
+    """The kid names parent pub at a commit; this fleet's own pub never had it."""
+    namesake = Fleet(tmp_path)
+    namesake.ok("init", "pub")
+    before = refs_and_files(namesake)
+    result = namesake.cli("import", str(published.kid_archive))
+    assert result.returncode == 2
+    assert "says it was forked from pub at commit" in result.stderr
+    assert "this fleet's lineage pub has no such commit" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert refs_and_files(namesake) == before
+
+    family = Fleet(tmp_path / "family")
+    (tmp_path / "family").mkdir()
+    family.ok("import", str(published.archive))
+    family.ok("import", str(published.kid_archive))
+    assert family.git("rev-parse", "lineage-pubkid") == published.fleet.git(
+        "rev-parse", "lineage-pubkid"
+    )
