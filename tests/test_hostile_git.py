@@ -258,3 +258,49 @@ def test_import_bundle_takes_a_clean_bundle_and_fsck_stays_strict(tmp_path: Path
     fleet.ok("import-bundle", str(_hostile_bundle(tmp_path, "clean")), "clean")
     run_git(fleet.repo, "fsck", "--strict", "--no-dangling")
     assert git(fleet.repo, "for-each-ref", "--format=%(refname)") == branch_ref("clean")
+
+
+# Files named as git's own, symlinks up and out, a setuid bit: all data to the worker.
+_GIT_LOOKALIKES = """
+(make-directory "/work/refs/heads" t)
+(with-temp-file "/work/refs/heads/lineage-evil" (insert (make-string 40 ?0) "\\n"))
+(with-temp-file "/work/HEAD" (insert "ref: refs/heads/lineage-evil\\n"))
+(make-directory "/work/objects/info" t)
+(with-temp-file "/work/objects/info/alternates" (insert "/etc\\n"))
+(with-temp-file "/work/-rf --force" (insert "x"))
+(with-temp-file "/work/caf\\u00e9.el" (insert "x"))
+(with-temp-file "/work/setuid" (insert "x"))
+(set-file-modes "/work/setuid" #o4755)
+(unless (file-symlink-p "/work/up") (make-symbolic-link "../../.." "/work/up"))
+(unless (file-symlink-p "/work/refs-link") (make-symbolic-link "/work/refs" "/work/refs-link"))
+"""
+
+
+def outside_objects(repo: Path) -> list[Path]:
+    """Every path of a bare repository but its objects."""
+    return sorted(p for p in repo.rglob("*") if p.relative_to(repo).parts[0] != "objects")
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_an_organism_naming_files_as_git_does_changes_only_its_branch(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    seed = seed_file(tmp_path, _GIT_LOOKALIKES)
+    fleet.ok("init", "mimic", "--seed", str(seed), *SMALL_PHYSICS)
+    layout = outside_objects(fleet.repo)
+    fleet.ok("run", "mimic", "--generations", "2", "--local")
+    assert fleet.subjects("mimic")[-2] == "gen 1: changed (organism unchanged; 8 other paths)"
+    listing = dict(
+        (line.split("\t")[1], line.split()[0])
+        for line in fleet.git("ls-tree", "-r", "lineage-mimic").splitlines()
+    )
+    assert listing["refs/heads/lineage-evil"] == listing["HEAD"] == "100644"
+    assert listing["objects/info/alternates"] == "100644"
+    assert listing["setuid"] == "100755"
+    assert listing["up"] == listing["refs-link"] == "120000"
+    run_git(fleet.repo, "fsck", "--strict", "--no-dangling")
+    assert git(fleet.repo, "for-each-ref", "--format=%(refname)") == branch_ref("mimic")
+    # Nothing but objects was added to the shared repository: no ref, no alternates.
+    assert outside_objects(fleet.repo) == layout
+    assert not (fleet.repo / "objects" / "info" / "alternates").exists()
