@@ -15,6 +15,8 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
@@ -532,3 +534,45 @@ def test_a_fork_whose_parent_here_is_another_lineage_is_refused(
     assert family.git("rev-parse", "lineage-pubkid") == published.fleet.git(
         "rev-parse", "lineage-pubkid"
     )
+
+
+class _Zeros(io.RawIOBase):
+    """Endless zero bytes: the body of a gzip bomb, never held in memory."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray) -> int:  # type: ignore[override]
+        buffer[:] = bytes(len(buffer))
+        return len(buffer)
+
+
+@pytest.mark.root
+def test_a_gzip_bomb_is_refused_before_it_fills_the_scratch_filesystem(tmp_path: Path) -> None:
+    """512 MiB of zeros in half a megabyte, unpacked on a private 128 MiB tmpfs (a mount
+    namespace of the test's own: nothing of the host is mounted or filled)."""
+    bomb = tmp_path / "bomb.tgz"
+    with tarfile.open(bomb, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("lineage.bundle")
+        info.size = 512 * 1024**2
+        tar.addfile(info, _Zeros())
+    assert bomb.stat().st_size < 4 * 1024**2
+    fleet, scratch = Fleet(tmp_path), tmp_path / "scratch"
+    scratch.mkdir()
+    command = (
+        f"mount -t tmpfs -o size=128m ouroboros-test {scratch} && "
+        f"exec {sys.executable} -m scheduler import {bomb}"
+    )
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
+        env={**fleet.env, "TMPDIR": str(scratch)},
+        cwd=fleet.home,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "unpacking member lineage.bundle would leave less than" in result.stderr
+    assert "point TMPDIR at a larger filesystem" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not fleet.repo.exists() or fleet.git("for-each-ref") == ""
