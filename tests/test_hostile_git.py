@@ -304,3 +304,24 @@ def test_an_organism_naming_files_as_git_does_changes_only_its_branch(tmp_path: 
     # Nothing but objects was added to the shared repository: no ref, no alternates.
     assert outside_objects(fleet.repo) == layout
     assert not (fleet.repo / "objects" / "info" / "alternates").exists()
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_written_as_git_writes_it(
+    shared: Path, tmp_path: Path
+) -> None:
+    """An imported lineage's paths are not bound by the decoder's depth limit."""
+    cache = LineageCache(tmp_path / "cache", str(shared))
+    blob = cache.hash_bytes(b"deep\n")
+    deep = "/".join(["d"] * (sys.getrecursionlimit() + 500)) + "/leaf"
+    entries = {
+        deep: Entry("100644", blob),
+        "d/side": Entry("100755", blob),
+        "organism.el": Entry("100644", blob),
+    }
+    commit = cache.commit(None, entries, "seed")
+    assert cache.tree(commit) == entries
+    listing = b"".join(f"{e.mode} {e.sha}\t{p}\0".encode() for p, e in entries.items())
+    env = {"GIT_INDEX_FILE": str(tmp_path / "index")}
+    run_git(cache.git_dir, "update-index", "-z", "--index-info", input=listing, env=env)
+    expected = run_git(cache.git_dir, "write-tree", env=env).stdout.decode().strip()
+    assert git(cache.git_dir, "rev-parse", f"{commit}^{{tree}}") == expected

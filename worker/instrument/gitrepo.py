@@ -600,25 +600,37 @@ class LineageCache:
         return added, deleted
 
     def commit(self, parent: str | None, entries: Mapping[str, Entry], message: str) -> str:
-        """Write a commit whose tree is exactly ``entries`` (no index, no work tree)."""
+        """Write a commit whose tree is exactly ``entries`` (no index, no work tree).
+
+        Trees are written deepest first, without recursion: an imported lineage's paths
+        are not bound by the decoder's depth limit.
+        """
         root: dict[bytes, object] = {}
+        folders: list[tuple[dict[bytes, object], dict[bytes, object], bytes]] = []
         for path, entry in entries.items():
-            *folders, name = path.encode("utf-8", errors="surrogateescape").split(b"/")
+            *names, name = path.encode("utf-8", errors="surrogateescape").split(b"/")
             node = root
-            for folder in folders:
-                node = node.setdefault(folder, {})  # type: ignore[assignment]
+            for folder in names:
+                child = node.setdefault(folder, {})
+                if not child:
+                    folders.append((node, child, folder))  # type: ignore[arg-type]
+                node = child  # type: ignore[assignment]
             node[name] = entry
+
+        objects = self._objects()
 
         def write(node: dict[bytes, object]) -> pygit2.Oid:
             items = [
-                (name, _TREE_MODE, write(child))
-                if isinstance(child, dict)
+                (name, _TREE_MODE, child)
+                if isinstance(child, pygit2.Oid)
                 else (name, int(child.mode, 8), pygit2.Oid(hex=child.sha))  # type: ignore[attr-defined]
                 for name, child in node.items()
             ]
             return objects.odb.write(ObjectType.TREE, _tree_object(items))
 
-        objects = self._objects()
+        # A folder is listed after the one holding it, so reversed order is children first.
+        for holder, folder, name in reversed(folders):
+            holder[name] = write(folder)
         signature = pygit2.Signature(IDENTITY["GIT_AUTHOR_NAME"], IDENTITY["GIT_AUTHOR_EMAIL"])
         parents = [pygit2.Oid(hex=parent)] if parent else []
         made = objects.create_commit(
