@@ -325,3 +325,29 @@ def test_a_tree_deeper_than_the_recursion_limit_is_written_as_git_writes_it(
     run_git(cache.git_dir, "update-index", "-z", "--index-info", input=listing, env=env)
     expected = run_git(cache.git_dir, "write-tree", env=env).stdout.decode().strip()
     assert git(cache.git_dir, "rev-parse", f"{commit}^{{tree}}") == expected
+
+
+def test_a_generation_commit_is_byte_for_byte_what_git_commit_tree_writes(
+    shared: Path, tmp_path: Path
+) -> None:
+    """Same tree, parent, identity, dates and message: the same commit id as git's."""
+    cache = LineageCache(tmp_path / "cache", str(shared))
+    seed = seeded(cache, "twin")
+    message = "gen 1: changed \u2014 caf\u00e9\r\n\n  indented\t\n\n\n[x](javascript:0)"
+    entries = {**cache.tree(seed), "organism.el": Entry("100755", cache.hash_bytes(b"(y)"))}
+    made = cache.commit(seed, entries, message)
+    ours = cache.repo[made]
+    hours, minutes = divmod(abs(ours.author.offset), 60)
+    sign = "+" if ours.author.offset >= 0 else "-"
+    date = f"@{ours.author.time} {sign}{hours:02d}{minutes:02d}"
+    env = {**IDENTITY, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    theirs = run_git(
+        cache.git_dir,
+        "commit-tree",
+        str(ours.tree_id),
+        "-p",
+        seed,
+        input=f"{message}\n".encode(),
+        env=env,
+    )
+    assert theirs.stdout.decode().strip() == made
