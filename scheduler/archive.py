@@ -14,7 +14,8 @@ read: a gzip-compressed tar of regular files with fixed names and nothing else::
 Reading treats the archive as hostile: a member that is not a regular file (a
 symlink, a hard link, a directory, a device), whose name is not one of the names
 above (so no absolute path, no ``..``, nothing outside the unpacking directory), a
-name given twice, more members or bytes than the bounds below, an extended header
+name given twice, more members or bytes than the bounds below (or than the scratch
+filesystem can hold with a reserve left free: a gzip bomb), an extended header
 (pax, GNU long name) over 64 KiB, which tarfile would read whole, or anything but a
 gzip tar is refused with one line before any of it is used. Members are written
 only under names this module computes, in a private directory, without following
@@ -61,6 +62,13 @@ MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_BUNDLE_BYTES = 16 * 1024**3
 MAX_TOTAL_BYTES = 64 * 1024**3
 _CHUNK = 1024 * 1024
+# The bounds above are far larger than the disk under a scratch directory may be, and a
+# gzip bomb reaches them from a few megabytes: unpacking stops, refused, while this much
+# of the scratch filesystem is still free (5% of it, between 16 MiB and 1 GiB), so a
+# hostile archive never fills the disk other processes write to.
+FREE_SHARE = 0.05
+MIN_FREE_BYTES = 16 * 1024**2
+MAX_FREE_BYTES = 1024**3
 
 # tarfile reads an extended header (pax, GNU long name) whole, before the member it
 # describes can be judged; an export's members need a few hundred bytes of one at most.
@@ -270,9 +278,23 @@ def _unpack_member(
             written += len(chunk)
             if written > limit:
                 raise Refusal(f"{archive}: member {name} is over {limit} bytes")
+            _keep_free(archive, name, into, out.fileno(), len(chunk))
             out.write(chunk)
     members[name] = target
     return written
+
+
+def _keep_free(archive: Path, name: str, into: Path, fd: int, size: int) -> None:
+    """Refuse before writing ``size`` more bytes would eat into the scratch reserve."""
+    fs = os.fstatvfs(fd)
+    reserve = min(max(fs.f_blocks * fs.f_frsize * FREE_SHARE, MIN_FREE_BYTES), MAX_FREE_BYTES)
+    free = fs.f_bavail * fs.f_frsize
+    if free - size < reserve:
+        raise Refusal(
+            f"{archive}: unpacking member {name} would leave less than {int(reserve)} bytes "
+            f"free on the filesystem of {into} ({free} free); free some room or point TMPDIR "
+            "at a larger filesystem"
+        )
 
 
 def digests(paths: Iterable[tuple[str, Path]]) -> dict[str, str]:

@@ -7,14 +7,20 @@ observation store: an imported lineage has no observations, and readers fall bac
 to its history and journal. Workers will not continue it (it has no lineage root
 metadata), which is right: its physics were never pinned by this fleet.
 
-Trusts: the git binary. Treats the bundle as untrusted input: git verifies it
-before anything is fetched, and its objects enter the repository only through a
-temporary ref that is removed again.
+Trusts: the git binary. Treats the bundle as untrusted input: it is unbundled into
+a scratch repository first, which must then pass ``git fsck --strict`` (a fetch from
+a bundle runs no object checks of its own: git's unbundle ignores
+``fetch.fsckObjects``), so a corrupt object, or a tree git itself would refuse to
+check out (``.git``, ``..``, a name holding "/", a ``.gitmodules`` symlink) or would
+never write (a zero-padded mode), is refused before anything reaches the shared
+repository. Its checked objects enter that repository only through a temporary ref
+that is removed again.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -47,26 +53,34 @@ def import_bundle(bundle: Path, name: str, repo_url: str) -> str:
     ref = branch_ref(name)
     if run_git(repo, "rev-parse", "--verify", "--quiet", ref, check=False).returncode == 0:
         raise Refusal(f"lineage {name} already exists; choose another name")
-    verified = run_git(repo, "bundle", "verify", "--quiet", str(bundle), check=False)
-    if verified.returncode != 0:
-        raise Refusal(f"{bundle} is not a complete git bundle: {last_line(verified.stderr)}")
-    source = _single_branch(repo, bundle)
     staging = f"refs/ouroboros-import/{uuid.uuid4().hex}"
-    run_git(
-        repo,
-        "fetch",
-        "--quiet",
-        "--no-tags",
-        "--no-write-fetch-head",
-        str(bundle),
-        f"{source}:{staging}",
-    )
-    try:
+    with tempfile.TemporaryDirectory(prefix="ouroboros-bundle-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        run_git(scratch, "init", "--bare", "--quiet")
+        # In an empty repository, "complete" means the bundle needs nothing it lacks.
+        verified = run_git(scratch, "bundle", "verify", "--quiet", str(bundle), check=False)
+        if verified.returncode != 0:
+            raise Refusal(f"{bundle} is not a complete git bundle: {last_line(verified.stderr)}")
+        problem = fetch_checked(scratch, bundle, _single_branch(scratch, bundle), staging)
+        if problem is not None:
+            raise Refusal(f"{bundle} holds objects git refuses: {problem}")
         tip = (
-            run_git(repo, "rev-parse", "--verify", f"{staging}^{{commit}}").stdout.decode().strip()
+            run_git(scratch, "rev-parse", "--verify", f"{staging}^{{commit}}")
+            .stdout.decode()
+            .strip()
         )
-        if run_git(repo, "cat-file", "-e", f"{tip}:{ORGANISM_PATH}", check=False).returncode:
+        if run_git(scratch, "cat-file", "-e", f"{tip}:{ORGANISM_PATH}", check=False).returncode:
             raise Refusal(f"{bundle} is not a lineage: its branch has no {ORGANISM_PATH}")
+        run_git(
+            repo,
+            "fetch",
+            "--quiet",
+            "--no-tags",
+            "--no-write-fetch-head",
+            str(scratch),
+            f"{staging}:{staging}",
+        )
+    try:
         # Empty old value: the ref is created only if nobody made it meanwhile.
         created = run_git(repo, "update-ref", ref, tip, "", check=False)
         if created.returncode != 0:
@@ -74,6 +88,33 @@ def import_bundle(bundle: Path, name: str, repo_url: str) -> str:
     finally:
         run_git(repo, "update-ref", "-d", staging)
     return tip
+
+
+def fetch_checked(scratch: Path, bundle: Path, source: str, target: str) -> str | None:
+    """Fetch ``source`` of ``bundle`` into ``scratch`` as ``target``, then check every
+    object there as ``git fsck --strict`` does; the first problem git names, or None.
+
+    ``scratch`` must be a repository holding nothing else, so fsck checks exactly the
+    bundle's objects, and finds any the branch needs and the bundle lacks.
+    """
+    fetched = run_git(
+        scratch,
+        "fetch",
+        "--quiet",
+        "--no-tags",
+        "--no-write-fetch-head",
+        str(bundle),
+        f"{source}:{target}",
+        check=False,
+    )
+    if fetched.returncode != 0:
+        return last_line(fetched.stderr)
+    checked = run_git(
+        scratch, "fsck", "--strict", "--no-dangling", "--no-progress", "--no-reflogs", check=False
+    )
+    if checked.returncode != 0:
+        return last_line(checked.stdout + checked.stderr, first=True)
+    return None
 
 
 def _single_branch(repo: Path, bundle: Path) -> str:
@@ -92,6 +133,9 @@ def _single_branch(repo: Path, bundle: Path) -> str:
     return candidates[0][1]
 
 
-def last_line(stderr: bytes) -> str:
+def last_line(stderr: bytes, first: bool = False) -> str:
+    """The last (or ``first``) line git wrote, as the one line of a refusal."""
     lines = [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
-    return lines[-1].removeprefix("error: ") if lines else "git could not read it"
+    if not lines:
+        return "git could not read it"
+    return lines[0 if first else -1].removeprefix("error: ")

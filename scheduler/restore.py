@@ -10,7 +10,8 @@ index, derived data, is rebuilt from the imported observations.
 Importing is idempotent and never overwrites: a branch already at the archive's
 head is left as it is and a key already holding the archive's bytes is skipped, so
 importing twice changes nothing. A lineage of that name with another head, or a
-key holding other bytes, is a conflict, refused before anything is written. A
+key holding other bytes, is a conflict, refused before anything is written, and so
+is a fork whose parent lineage is present here without the commit it was forked at. A
 lineage's name is written into its records (observations, metadata), so it is
 imported under the name it was exported with or not at all.
 
@@ -29,6 +30,8 @@ from scheduler.verify import Checked, check
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import branch_ref, ensure_shared_repo, is_local, local_path, run_git
 from worker.instrument.keys import generation_key, index_key, metadata_key, run_key
+from worker.instrument.lineage import LineageMetadata
+from worker.instrument.names import generation_number
 from worker.instrument.records import IndexEntry, LineageIndex, Observation
 from worker.instrument.store import ObservationStore
 
@@ -69,6 +72,7 @@ def restore(archive: Path, repo_url: str, store: ObservationStore) -> Restored:
                 f"head {head[:12]}; a lineage keeps its name, so this archive cannot be imported "
                 "into this fleet"
             )
+        _check_parent(local_path(repo_url), name, checked.metadata)
         missing = _missing_keys(name, objects, store)
         if existing is None:
             import_bundle(checked.unpacked.members[BUNDLE], name, repo_url)
@@ -90,6 +94,39 @@ def _objects(checked: Checked) -> dict[str, bytes]:
 def _head(repo: Path, name: str) -> str | None:
     found = run_git(repo, "rev-parse", "--verify", "--quiet", branch_ref(name), check=False)
     return found.stdout.decode().strip() if found.returncode == 0 else None
+
+
+def _check_parent(repo: Path, name: str, metadata: bytes) -> None:
+    """A fork's parent, where this fleet holds a lineage of that name, must be that one.
+
+    Genealogy joins lineages by name: an archive whose metadata names a parent
+    lineage present here but a commit that lineage never had would show it as that
+    lineage's child. A parent absent here is shown as absent, which is the truth.
+    """
+    parent = LineageMetadata.model_validate_json(metadata).parent
+    if parent is None:
+        return
+    head = _head(repo, parent.lineage)
+    if head is None:
+        return
+    held = run_git(repo, "merge-base", "--is-ancestor", parent.commit, head, check=False)
+    if held.returncode != 0:
+        raise Refusal(
+            f"lineage {name} says it was forked from {parent.lineage} at commit "
+            f"{parent.commit[:12]}, but this fleet's lineage {parent.lineage} has no such "
+            "commit; it is another lineage of that name, so this archive cannot be imported "
+            "into this fleet"
+        )
+    count = run_git(
+        repo, "log", "--first-parent", "--format=%s", parent.commit, check=False
+    ).stdout.decode(errors="replace")
+    numbered = sum(generation_number(subject) is not None for subject in count.splitlines())
+    if numbered != parent.generation:
+        raise Refusal(
+            f"lineage {name} says it was forked from {parent.lineage} at generation "
+            f"{parent.generation}, but commit {parent.commit[:12]} is generation {numbered} "
+            f"of this fleet's {parent.lineage}; this archive cannot be imported"
+        )
 
 
 def _missing_keys(name: str, objects: dict[str, bytes], store: ObservationStore) -> list[str]:

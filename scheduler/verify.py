@@ -1,18 +1,19 @@
 """Verifying a lineage archive with nothing but the archive: every problem, one line each.
 
 Owns ``schedule-lineage verify`` (and the check ``import`` makes before writing
-anything): the sums of the manifest hold, nothing it lists is missing and nothing
-it does not list is there; the bundle is a complete git bundle of exactly the
-branch ``lineage-NAME`` at the manifest's head, its objects checked by git's fsck
-as they are fetched into a scratch repository; every observation is of its
-lineage and of the generation its name says, and names that generation's commit
-and that commit's parent; every numbered generation has its observation or is
-declared unobserved; no observation is of a generation the history lacks; the
-metadata object is the lineage's root metadata byte for byte; every run record is
-of the lineage and named by its id, and every run an observation names is there.
+anything): the sums of the manifest hold, nothing it lists is missing and nothing it
+does not list is there; the bundle is a complete git bundle of exactly the branch
+``lineage-NAME`` at the manifest's head, its objects fetched into a scratch
+repository that must pass ``git fsck --strict``
+(``scheduler.importer.fetch_checked``); every observation is of its lineage and of
+the generation its name says, and names that generation's commit and that commit's
+parent; every numbered generation has its observation or is declared unobserved; no
+observation is of a generation the history lacks; the metadata object is the
+lineage's root metadata byte for byte; every run record is of the lineage and named
+by its id, and every run an observation names is there.
 
 Trusts: the git binary (run with no hooks, no configuration of this machine, and
-fsck on every object fetched). Treats the archive as hostile: unpacking is
+fsck --strict on every object fetched). Treats the archive as hostile: unpacking is
 ``scheduler.archive``'s, and every record is validated with pydantic before use.
 """
 
@@ -38,15 +39,12 @@ from scheduler.archive import (
     sha256_file,
     unpack,
 )
-from scheduler.importer import last_line
+from scheduler.importer import fetch_checked, last_line
 from worker.fleet.runs import RunRecord
 from worker.instrument.gitrepo import branch_ref, run_git
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import METADATA_PATH, generation_number
 from worker.instrument.records import Observation
-
-# Every object fetched from a bundle is checked as git's own transfers can be.
-_FSCK = ("-c", "fetch.fsckObjects=true", "-c", "transfer.fsckObjects=true")
 
 
 @dataclass
@@ -140,11 +138,9 @@ def _check_bundle(checked: Checked, manifest: Manifest) -> dict[int, Generation]
             f"{BUNDLE}: holds {found}, not {ref} at the manifest's head {manifest.head[:12]}"
         )
         return None
-    fetched = run_git(
-        repo, *_FSCK, "fetch", "--quiet", "--no-tags", str(path), f"{ref}:{ref}", check=False
-    )
-    if fetched.returncode != 0:
-        checked.add(f"{BUNDLE}: git refused its objects ({last_line(fetched.stderr)})")
+    refused = fetch_checked(repo, path, ref, ref)
+    if refused is not None:
+        checked.add(f"{BUNDLE}: git refused its objects ({refused})")
         return None
     log = run_git(repo, "log", "--first-parent", "--format=%H %P%x00%s", ref).stdout
     generations: dict[int, Generation] = {}

@@ -15,7 +15,10 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -33,6 +36,7 @@ from scheduler.verify import check
 from worker.fleet.assembly import observation_store
 from worker.fleet.runs import RunRecord, new_run_id
 from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import IDENTITY, run_git
 from worker.instrument.keys import run_key
 
 Members = dict[str, bytes]
@@ -314,6 +318,49 @@ def wrong_sum(m: Members) -> str:
     return f"problem: sum: metadata.json has sha256 {actual}, the manifest says {'0' * 64}"
 
 
+def dot_git_on_top_of_the_branch(m: Members) -> str:
+    """A hand commit on the branch whose tree holds .git/config: git refuses to check it
+    out, and a fetch from a bundle (git's unbundle) runs no object checks of its own."""
+    manifest = json.loads(m["manifest.json"])
+    ref = f"refs/heads/lineage-{manifest['lineage']}"
+    with tempfile.TemporaryDirectory() as scratch:
+        repo, bundle = Path(scratch) / "r.git", Path(scratch) / "b.bundle"
+        run_git(repo, "init", "--bare", "--quiet")
+        bundle.write_bytes(m["lineage.bundle"])
+        run_git(repo, "fetch", "--quiet", str(bundle), f"{ref}:{ref}")
+        blob = run_git(repo, "hash-object", "-w", "--stdin", input=b"[core]\n").stdout.decode()
+        inner = b"100644 config\0" + bytes.fromhex(blob.strip())
+        sub = run_git(repo, "hash-object", "-w", "-t", "tree", "--stdin", input=inner)
+        top = run_git(repo, "cat-file", "tree", f"{manifest['head']}^{{tree}}").stdout
+        tree = (
+            run_git(
+                repo,
+                "hash-object",
+                "-w",
+                "-t",
+                "tree",
+                "--literally",
+                "--stdin",
+                input=b"40000 .git\0" + bytes.fromhex(sub.stdout.decode().strip()) + top,
+            )
+            .stdout.decode()
+            .strip()
+        )
+        head = (
+            run_git(repo, "commit-tree", tree, "-p", manifest["head"], "-m", "hand", env=IDENTITY)
+            .stdout.decode()
+            .strip()
+        )
+        run_git(repo, "update-ref", ref, head)
+        run_git(repo, "bundle", "create", str(bundle), ref)
+        m["lineage.bundle"] = bundle.read_bytes()
+    _resum(m, "lineage.bundle")
+    manifest = json.loads(m["manifest.json"])
+    manifest["head"] = head
+    m["manifest.json"] = json.dumps(manifest).encode()
+    return "problem: lineage.bundle: git refused its objects (error in tree "
+
+
 TAMPERINGS: list[Callable[[Members], str]] = [
     changed_observation,
     changed_observation_resummed,
@@ -323,6 +370,7 @@ TAMPERINGS: list[Callable[[Members], str]] = [
     extra_observation,
     extra_observation_listed,
     wrong_sum,
+    dot_git_on_top_of_the_branch,
 ]
 
 
@@ -463,3 +511,68 @@ def test_export_refusals(published: Published, tmp_path: Path) -> None:
         assert len(result.stderr.strip().splitlines()) == 1
     assert existing.read_text() == "mine\n"
     assert not list(tmp_path.glob("*.ouroboros.tar.gz"))
+
+
+def test_a_fork_whose_parent_here_is_another_lineage_is_refused(
+    published: Published, tmp_path: Path
+) -> None:
+    """The kid names parent pub at a commit; this fleet's own pub never had it."""
+    namesake = Fleet(tmp_path)
+    namesake.ok("init", "pub")
+    before = refs_and_files(namesake)
+    result = namesake.cli("import", str(published.kid_archive))
+    assert result.returncode == 2
+    assert "says it was forked from pub at commit" in result.stderr
+    assert "this fleet's lineage pub has no such commit" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert refs_and_files(namesake) == before
+
+    family = Fleet(tmp_path / "family")
+    (tmp_path / "family").mkdir()
+    family.ok("import", str(published.archive))
+    family.ok("import", str(published.kid_archive))
+    assert family.git("rev-parse", "lineage-pubkid") == published.fleet.git(
+        "rev-parse", "lineage-pubkid"
+    )
+
+
+class _Zeros(io.RawIOBase):
+    """Endless zero bytes: the body of a gzip bomb, never held in memory."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray) -> int:  # type: ignore[override]
+        buffer[:] = bytes(len(buffer))
+        return len(buffer)
+
+
+@pytest.mark.root
+def test_a_gzip_bomb_is_refused_before_it_fills_the_scratch_filesystem(tmp_path: Path) -> None:
+    """512 MiB of zeros in half a megabyte, unpacked on a private 128 MiB tmpfs (a mount
+    namespace of the test's own: nothing of the host is mounted or filled)."""
+    bomb = tmp_path / "bomb.tgz"
+    with tarfile.open(bomb, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("lineage.bundle")
+        info.size = 512 * 1024**2
+        tar.addfile(info, _Zeros())
+    assert bomb.stat().st_size < 4 * 1024**2
+    fleet, scratch = Fleet(tmp_path), tmp_path / "scratch"
+    scratch.mkdir()
+    command = (
+        f"mount -t tmpfs -o size=128m ouroboros-test {scratch} && "
+        f"exec {sys.executable} -m scheduler import {bomb}"
+    )
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
+        env={**fleet.env, "TMPDIR": str(scratch)},
+        cwd=fleet.home,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "unpacking member lineage.bundle would leave less than" in result.stderr
+    assert "point TMPDIR at a larger filesystem" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not fleet.repo.exists() or fleet.git("for-each-ref") == ""

@@ -15,7 +15,10 @@ The shared repository is reached two ways:
   (so an object present implies all it reaches is present), and the push is a
   reference transaction on the shared repository: lock the branch, compare it with
   the expected head (absent for a new lineage), write the new head, unlock. A push
-  whose expected head is stale, or whose lock another writer holds, fails.
+  whose expected head is stale, or whose lock another writer holds, fails. A lock
+  file older than ``STALE_LOCK_SECONDS`` was left by a writer that died holding it
+  and is removed (``break_stale_lock``), here and in the cache, so a SIGKILL never
+  stops a lineage for good.
 * any other URL (ssh) with the git binary: ``git fetch`` of the one branch and
   ``git push --force-with-lease`` with an explicit expected value, verified again by
   the receiving side's ref transaction.
@@ -30,6 +33,8 @@ byte of lineage content as data.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import re
 import subprocess
@@ -45,6 +50,15 @@ from worker.instrument.errors import Refusal
 from worker.instrument.names import BRANCH_PREFIX, generation_number
 
 FETCH_ATTEMPTS = 5
+# A writer holds a ref's lock file for the milliseconds of one compare-and-swap. One
+# this old was left by a writer that died holding it (SIGKILL, a lost host), and git
+# never removes it: every push after it would be a lost race and every generation
+# discarded, for ever. So a lock this old is broken (``break_stale_lock``). The margin
+# covers a writer stalled mid-swap and clocks of hosts sharing the repository over NFS.
+STALE_LOCK_SECONDS = 600
+# Beside the refs, never among them: git ignores a file of this name in a git directory.
+_LOCK_BREAKING = "ouroboros-lock-breaking"
+log = logging.getLogger(__name__)
 IDENTITY = {
     "GIT_AUTHOR_NAME": "ouroboros",
     "GIT_AUTHOR_EMAIL": "ouroboros@localhost",
@@ -235,6 +249,29 @@ def local_repository(url: str) -> Path | None:
     return Path(url)
 
 
+def break_stale_lock(git_dir: Path, ref: str) -> bool:
+    """Remove ``ref``'s lock file if it is older than ``STALE_LOCK_SECONDS``; whether the
+    lock is gone (broken here, or released meanwhile), so the caller may try again.
+
+    Breakers take an exclusive flock in turn, so two that judged one lock stale never
+    remove it one after the other (the second would remove a fresh lock a live writer
+    took in between). A writer never waits on that flock: only a lock file that exists
+    keeps it out, and only a breaker removes one it did not take.
+    """
+    lock = git_dir / f"{ref}.lock"
+    with (git_dir / _LOCK_BREAKING).open("a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            age = time.time() - lock.lstat().st_mtime
+        except FileNotFoundError:
+            return True
+        if age < STALE_LOCK_SECONDS:
+            return False
+        lock.unlink()
+    log.warning("removed %s: %d seconds old, left by a writer that died holding it", lock, age)
+    return True
+
+
 def _mode(value: int) -> str:
     return f"{value:06o}"
 
@@ -382,12 +419,15 @@ class LineageCache:
 
     def _track(self, lineage: str, head: str) -> None:
         """Point the tracking ref at ``head`` (it keeps the fetched objects reachable)."""
+        ref = self.tracking_ref(lineage)
         for attempt in range(FETCH_ATTEMPTS):
             try:
-                self.repo.references.create(self.tracking_ref(lineage), head, force=True)
+                self.repo.references.create(ref, head, force=True)
                 return
-            except pygit2.GitError:
-                # Another process of this host moves the same tracking ref meanwhile.
+            except (pygit2.GitError, OSError):
+                # libgit2's "failed to lock" is an OSError: another process of this host
+                # moves the same tracking ref meanwhile, or one died holding its lock.
+                break_stale_lock(self.git_dir, ref)
                 time.sleep(0.05 * (attempt + 1))
         raise GitError(f"the tracking ref of {lineage} kept losing its lock to other processes")
 
@@ -560,25 +600,37 @@ class LineageCache:
         return added, deleted
 
     def commit(self, parent: str | None, entries: Mapping[str, Entry], message: str) -> str:
-        """Write a commit whose tree is exactly ``entries`` (no index, no work tree)."""
+        """Write a commit whose tree is exactly ``entries`` (no index, no work tree).
+
+        Trees are written deepest first, without recursion: an imported lineage's paths
+        are not bound by the decoder's depth limit.
+        """
         root: dict[bytes, object] = {}
+        folders: list[tuple[dict[bytes, object], dict[bytes, object], bytes]] = []
         for path, entry in entries.items():
-            *folders, name = path.encode("utf-8", errors="surrogateescape").split(b"/")
+            *names, name = path.encode("utf-8", errors="surrogateescape").split(b"/")
             node = root
-            for folder in folders:
-                node = node.setdefault(folder, {})  # type: ignore[assignment]
+            for folder in names:
+                child = node.setdefault(folder, {})
+                if not child:
+                    folders.append((node, child, folder))  # type: ignore[arg-type]
+                node = child  # type: ignore[assignment]
             node[name] = entry
+
+        objects = self._objects()
 
         def write(node: dict[bytes, object]) -> pygit2.Oid:
             items = [
-                (name, _TREE_MODE, write(child))
-                if isinstance(child, dict)
+                (name, _TREE_MODE, child)
+                if isinstance(child, pygit2.Oid)
                 else (name, int(child.mode, 8), pygit2.Oid(hex=child.sha))  # type: ignore[attr-defined]
                 for name, child in node.items()
             ]
             return objects.odb.write(ObjectType.TREE, _tree_object(items))
 
-        objects = self._objects()
+        # A folder is listed after the one holding it, so reversed order is children first.
+        for holder, folder, name in reversed(folders):
+            holder[name] = write(folder)
         signature = pygit2.Signature(IDENTITY["GIT_AUTHOR_NAME"], IDENTITY["GIT_AUTHOR_EMAIL"])
         parents = [pygit2.Oid(hex=parent)] if parent else []
         made = objects.create_commit(
@@ -607,6 +659,15 @@ class LineageCache:
             return False
         shared = self._shared()
         copy_objects(self.repo, shared, new)
+        landed = self._transact(shared, ref, new, expected)
+        if landed is None and break_stale_lock(Path(shared.path), ref):
+            landed = self._transact(shared, ref, new, expected)
+        return bool(landed)
+
+    def _transact(
+        self, shared: pygit2.Repository, ref: str, new: str, expected: str | None
+    ) -> bool | None:
+        """One reference transaction; None if the branch's lock is held."""
         try:
             with shared.transaction() as transaction:
                 transaction.lock_ref(ref)
@@ -619,7 +680,7 @@ class LineageCache:
         except pygit2.GitError as exc:
             if "lock" in str(exc):
                 # Another writer holds the branch: as a receiving side's failed ref lock.
-                return False
+                return None
             raise GitError(f"push of {ref} failed: {exc}") from exc
         return True
 
