@@ -409,10 +409,23 @@ class Soak:
             if worker is not None:
                 worker.stop(60)
 
+    def index_entries(self, name: str) -> list[dict[str, object]]:
+        """Every entry of the lineage's paged index, read from its segments on the store."""
+        from worker.instrument.keys import index_segments_prefix
+
+        prefix = f"fleet/{index_segments_prefix(name)}"
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
+        return [
+            entry
+            for key in sorted(keys)
+            for entry in json.loads(self.s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())[
+                "generations"
+            ]
+        ]
+
     def check(self) -> dict[str, object]:
         """Every invariant, counted."""
-        from worker.instrument.keys import index_key
-
         counts: Counter[str] = Counter()
         problems: list[str] = []
         status = {
@@ -451,12 +464,9 @@ class Soak:
                     or (record["lineage_commit"], record["parent_commit"]) != commits[number]
                 ):
                     problems.append(f"{name}: observation {number} does not match git")
-            index = json.loads(
-                self.s3.get_object(Bucket=BUCKET, Key=f"fleet/{index_key(name)}")["Body"].read()
-            )
             indexed = {
                 e["generation"]: (e["lineage_commit"], e["parent_commit"])
-                for e in index["generations"]
+                for e in self.index_entries(name)
             }
             if indexed != {n: commits[n] for n in commits}:
                 problems.append(f"{name}: the index disagrees with git")

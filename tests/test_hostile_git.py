@@ -148,7 +148,9 @@ def test_racing_writers_never_lose_or_double_a_generation(shared: Path, tmp_path
     numbered = [s.split(":")[0] for s in reversed(subjects[:-1])]
     # Every landed push is exactly one generation, numbered in order, with no gap.
     assert numbered == [f"gen {n}" for n in range(1, sum(landed) + 1)]
-    assert sum(landed) >= tries
+    # A writer can lose to one that itself lost (both held the lock in turn), so how
+    # many land depends on timing; that some do, and each exactly once, does not.
+    assert sum(landed) > 0
     run_git(shared, "fsck", "--strict", "--no-dangling")
     assert git(shared, "for-each-ref", "--format=%(refname)") == branch_ref("raced")
 

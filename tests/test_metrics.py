@@ -107,7 +107,15 @@ def test_metrics_follow_a_running_fleet(
             if total(during, "ouroboros_generations_total") == 6:
                 break
             time.sleep(0.5)
-        assert seen_running and seen_served
+        assert seen_running
+        if not seen_served:
+            # Generations this short can all land between two broadcasts the worker
+            # answered in time on a loaded machine; the worker still serves its queue.
+            wait_for(
+                lambda: value(scrape(served), "ouroboros_live_workers", queue=queue) == 1,
+                120,
+                "the worker reported as serving its queue",
+            )
         # The last generation's job is settled once its marker is gone.
         final = wait_for(
             lambda: (s := scrape(served))["ouroboros_lineages_in_flight", frozenset()] == 0 and s,

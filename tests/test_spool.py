@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -14,6 +13,7 @@ from lineage_support import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
 
 from worker.fleet.assembly import build_pipeline
 from worker.fleet.settings import Settings
+from worker.instrument.index import read_index, segment_keys
 from worker.instrument.job import GenerationJob
 from worker.instrument.records import Observation
 
@@ -63,8 +63,7 @@ def test_crash_after_the_checkpoint_is_finished_by_the_next_worker(
     observation = fleet.observation("phoenix", 1)
     assert observation["lineage_commit"] == fleet.git("rev-parse", "lineage-phoenix").strip()
     assert not list((tmp_path / ".ouroboros/state/spool").glob("*.json"))
-    index = json.loads((fleet.observations / "lineages/phoenix/index.json").read_text())
-    assert [entry["generation"] for entry in index["generations"]] == [1]
+    assert [e.generation for e in read_index(restarted.store, "phoenix").generations] == [1]
 
 
 def test_a_checkpoint_whose_push_lost_the_race_is_discarded_not_published(
@@ -117,10 +116,10 @@ def test_concurrent_index_writers_lose_no_entry(
     fleet = Fleet(tmp_path)
     fleet.ok("init", "racer", *SMALL_PHYSICS)
     fleet.ok("run", "racer", "--generations", "2", "--local")
-    index_path = fleet.observations / "lineages/racer/index.json"
-    index_path.unlink()
     monkeypatch.chdir(tmp_path)
     pipeline = build_pipeline(settings_for(fleet))
+    for key in segment_keys(pipeline.store, "racer").values():
+        (fleet.observations / key).unlink()
     pipeline.store = SlowReads(pipeline.store)  # type: ignore[assignment]
     observations = [Observation.model_validate(fleet.observation("racer", n)) for n in (1, 2)]
     writers = [threading.Thread(target=pipeline._index, args=(o,)) for o in observations]
@@ -128,5 +127,4 @@ def test_concurrent_index_writers_lose_no_entry(
         writer.start()
     for writer in writers:
         writer.join()
-    index = json.loads(index_path.read_text())
-    assert [entry["generation"] for entry in index["generations"]] == [1, 2]
+    assert [e.generation for e in read_index(pipeline.store, "racer").generations] == [1, 2]

@@ -203,8 +203,8 @@ def _job(payload: object, task_id: str) -> GenerationJob | None:
 
 def _plan_next(planner: Planner, job: GenerationJob, report: GenerationReport | None) -> None:
     """Send the lineage's next job: the follow-up of a landed one, else what the record says."""
-    follow = planner.follow_up(job, report) if report else None
     try:
+        follow = planner.follow_up(job, report) if report else None
         if follow is not None:
             planner.submit(follow)
         else:
