@@ -13,7 +13,7 @@ from lineage_support import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
 
 from worker.fleet.assembly import build_pipeline
 from worker.fleet.settings import Settings
-from worker.instrument.index import read_index, segment_keys
+from worker.instrument.index import add, read_index, segment_keys
 from worker.instrument.job import GenerationJob
 from worker.instrument.records import Observation
 
@@ -122,7 +122,7 @@ def test_concurrent_index_writers_lose_no_entry(
         (fleet.observations / key).unlink()
     pipeline.store = SlowReads(pipeline.store)  # type: ignore[assignment]
     observations = [Observation.model_validate(fleet.observation("racer", n)) for n in (1, 2)]
-    writers = [threading.Thread(target=pipeline._index, args=(o,)) for o in observations]
+    writers = [threading.Thread(target=add, args=(pipeline.store, o)) for o in observations]
     for writer in writers:
         writer.start()
     for writer in writers:
