@@ -41,7 +41,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from lineage_support import free_port, seed_file
+from lineage_support import free_port, seed_file, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_ENTRYPOINT = "/usr/local/libexec/ouroboros/worker-entrypoint.sh"
@@ -420,14 +420,11 @@ def proc_status(text: str) -> dict[str, str]:
 
 
 def wait_until(predicate, timeout: float, what: str, fleet: ComposeFleet, every: float = 3):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}\n{fleet.logs()}")
-        time.sleep(every)
+    """``wait_for``, failing with the fleet's logs: a compose failure is read there."""
+    try:
+        return wait_for(predicate, timeout, what, interval=every)
+    except AssertionError as timed_out:
+        pytest.fail(f"{timed_out}\n{fleet.logs()}")
 
 
 # --- the tests, in the order an operator meets these things -------------------------
