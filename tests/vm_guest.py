@@ -320,7 +320,9 @@ def project_wheel(directory: Path) -> Path:
 def put_release(guest: Guest) -> str:
     """This checkout's source and wheel in the guest; the install.sh command that installs them."""
     wheel = project_wheel(guest.scratch)
-    guest.run("rm -rf /root/src && mkdir -p /root/src && tar -C /root/src -xf -", input=source_tar())
+    guest.run(
+        "rm -rf /root/src && mkdir -p /root/src && tar -C /root/src -xf -", input=source_tar()
+    )
     guest.put(f"/root/{wheel.name}", wheel.read_bytes())
     guest.put("/usr/local/bin/as-ouroboros", AS_OUROBOROS.encode(), mode="0755")
     return (
