@@ -246,13 +246,16 @@ class Host:
             timeout,
         )
 
+    def set_setting(self, name: str, value: str) -> None:
+        """``name`` set to ``value`` in the worker's settings (read when it starts)."""
+        self.guest.run(
+            f"sed -i '/^{name}=/d' /etc/ouroboros/ouroboros.env && "
+            f"echo {name}={value} >>/etc/ouroboros/ouroboros.env"
+        )
+
     def set_ceiling(self, driver: str) -> None:
         """OUROBOROS_CEILING in the worker's settings (``systemd``: ``auto``, which picks it)."""
-        value = "auto" if driver == "systemd" else driver
-        self.guest.run(
-            "sed -i '/^OUROBOROS_CEILING=/d' /etc/ouroboros/ouroboros.env && "
-            f"echo OUROBOROS_CEILING={value} >>/etc/ouroboros/ouroboros.env"
-        )
+        self.set_setting("OUROBOROS_CEILING", "auto" if driver == "systemd" else driver)
 
     def user_systemctl(self, *args: str) -> str:
         return self.as_ouroboros("systemctl --user " + " ".join(args))
@@ -352,11 +355,7 @@ def fleet_layer(image: Path, scratch: Path, timeout: float = 3600) -> Path:
             "/usr/bin/python3 -m compileall -q -j 2 /opt/ouroboros/dependencies >/dev/null",
             timeout=timeout,
         )
-        # Two lives at once: the guest has two CPUs.
-        guest.run(
-            "echo OUROBOROS_CONCURRENCY=2 >>/etc/ouroboros/ouroboros.env"
-            " && loginctl disable-linger ouroboros"
-        )
+        guest.run("loginctl disable-linger ouroboros")
         if not guest.shut_down():
             raise AssertionError(f"the layer's guest did not power off: {guest.diagnosis()}")
     finally:
@@ -367,14 +366,16 @@ def fleet_layer(image: Path, scratch: Path, timeout: float = 3600) -> Path:
     return layer
 
 
-def install_fleet(guest: Guest, ceiling: str) -> Host:
+def install_fleet(guest: Guest, ceiling: str, concurrency: int) -> Host:
     """This checkout installed with deploy/install.sh, its worker started; the operator's view.
 
     ``guest`` boots the layer of ``fleet_layer``: install.sh builds this checkout's
-    release on the dependencies already there. The worker starts with ``ceiling``.
+    release on the dependencies already there. The worker starts with ``ceiling``,
+    and ``concurrency`` lives at once.
     """
     install = put_release(guest)
     host = Host(guest, install)
     host.set_ceiling(ceiling)
+    host.set_setting("OUROBOROS_CONCURRENCY", str(concurrency))
     host.reinstall()
     return host
