@@ -282,11 +282,6 @@ def test_an_endless_loop_ends_wall_timeout(lives: Lives) -> None:
     observation = lives.observations["looper"]
     assert observation["outcome"] == "wall_timeout", observation["stderr"]
     assert observation["driver_result"] == "timeout"
-    # The figures outlive the wall-time kill (the systemd driver kills a unit once, and
-    # spares its ExecStopPost= collector).
-    assert observation["memory_peak_bytes"] > 0
-    assert observation["oom_kills"] == 0
-    assert observation["cpu_usage_nsec"] > 0
 
 
 def test_a_fork_bomb_is_held_at_the_task_ceiling(lives: Lives) -> None:
