@@ -14,7 +14,11 @@
 #   3. the release: a virtualenv under /opt/ouroboros/releases/<version>-<hash>
 #      holding this source (or --wheel), built once per source; the symlink
 #      /opt/ouroboros/current moves to it; instrument.env beside it names the
-#      commit (the installed package is not a git checkout);
+#      commit (the installed package is not a git checkout). Its dependencies
+#      are installed once per dependency set, in a virtualenv under
+#      /opt/ouroboros/dependencies/<hash> that no unit runs: a release starts
+#      as a hard-linked copy of it, so an upgrade that keeps the dependencies
+#      installs only the project's own wheel;
 #   4. /etc/ouroboros/ouroboros.env from deploy/ouroboros.env, only if absent;
 #   5. the units: the worker as a user unit of `ouroboros` (and its per-release
 #      template for drains, and a doctor), the reconciler and the web UI as
@@ -194,11 +198,20 @@ release="$version-$digest"
 release_dir="$prefix/releases/$release"
 venv="$release_dir/venv"
 
+# Rewrites the absolute path $2 to $3 in the scripts and configuration of the
+# virtualenv at $1 (the only files of a virtualenv that name where it lives).
+# sed -i writes a new file: a hard link into another virtualenv is left alone.
+relocate() {
+  local pattern
+  pattern=$(printf '%s' "$2" | sed 's/[][\.*^$|]/\\&/g')
+  grep -rlF "$2" "$1/bin" "$1/pyvenv.cfg" 2>/dev/null |
+    while read -r f; do sed -i "s|$pattern|$3|g" "$f"; done
+}
+
 if [ ! -f "$(R "$release_dir/.complete")" ]; then
   say "building release $release"
   rm -rf "$(R "$release_dir")"
   install -d -m 0755 "$(R "$release_dir")"
-  "$python" -m venv "$(R "$venv")"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   if [ -z "$wheel" ]; then
@@ -211,22 +224,51 @@ if [ ! -f "$(R "$release_dir/.complete")" ]; then
     tar -C "$source_dir" --exclude=__pycache__ --exclude='*.pyc' -cf - "${parts[@]}" |
       tar -C "$work" -xf -
     mkdir "$work/wheels"
-    "$(R "$venv")/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps \
+    "$python" -m venv "$work/builder"
+    "$work/builder/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps \
       "${pip_args[@]}" -w "$work/wheels" "$work" >/dev/null
     wheel_file=$(ls "$work"/wheels/*.whl)
   else
     wheel_file=$wheel
   fi
-  # No bytecode: the worker never uses it (immutable runtime), and without it a
-  # release directory is a pure function of its inputs.
+  # The dependency set: the wheel's own requirements (not its extras), the
+  # interpreter and the pip arguments. The same set gives the same virtualenv.
+  "$python" - "$wheel_file" >"$work/requirements.txt" <<'PY' || die "--wheel: cannot read the requirements of $wheel_file"
+import sys
+import zipfile
+from email.parser import HeaderParser
+
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    (name,) = [n for n in wheel.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+    metadata = HeaderParser().parsestr(wheel.read(name).decode())
+print("\n".join(sorted(r for r in metadata.get_all("Requires-Dist", []) if "extra ==" not in r)))
+PY
+  dependencies="$prefix/dependencies/$({
+    "$python" -c 'import sys; print(sys.version)'
+    cat "$work/requirements.txt"
+    printf '%s\n' "${pip_args[@]}"
+  } | sha256sum | cut -c1-12)"
+  if [ ! -f "$(R "$dependencies/.complete")" ]; then
+    say "installing the dependencies in $dependencies"
+    rm -rf "$(R "$dependencies")"
+    install -d -m 0755 "$(R "$prefix/dependencies")" "$(R "$dependencies")"
+    "$python" -m venv "$(R "$dependencies/venv")"
+    # No bytecode: the worker never uses it (immutable runtime), and without it a
+    # release directory is a pure function of its inputs.
+    "$(R "$dependencies/venv")/bin/python" -m pip install -q --disable-pip-version-check \
+      --no-compile "${pip_args[@]}" -r "$work/requirements.txt"
+    if [ -n "$root" ]; then
+      relocate "$(R "$dependencies/venv")" "$root$prefix" "$prefix"
+    fi
+    touch "$(R "$dependencies/.complete")"
+  fi
+  cp -al "$(R "$dependencies/venv")" "$(R "$venv")"
+  relocate "$(R "$venv")" "$dependencies/venv" "$venv"
   "$(R "$venv")/bin/python" -m pip install -q --disable-pip-version-check --no-compile \
     "${pip_args[@]}" "$wheel_file"
   if [ -n "$root" ]; then
-    # The venv was made at DIR/opt/...; it will run at /opt/...: fix the paths
-    # written into its scripts and configuration.
-    pattern=$(printf '%s' "$root$prefix" | sed 's/[][\.*^$|]/\\&/g')
-    grep -rlF "$root$prefix" "$(R "$venv")/bin" "$(R "$venv")/pyvenv.cfg" 2>/dev/null |
-      while read -r f; do sed -i "s|$pattern|$prefix|g" "$f"; done
+    # The venv was made at DIR/opt/...; it will run at /opt/...
+    relocate "$(R "$venv")" "$root$prefix" "$prefix"
   fi
   touch "$(R "$release_dir/.complete")"
 fi

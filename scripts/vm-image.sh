@@ -24,9 +24,9 @@
 # source the test copies in).
 #
 # Cached under $OUROBOROS_VM_CACHE (default /var/cache/ouroboros-ci/vm), in a
-# directory named after a hash of this script, the systemd choice and
-# pyproject.toml: a change to any of them builds a new image; otherwise this
-# prints the cached one at once. --refresh builds again regardless (security
+# directory named after a hash of this script, the systemd choice and the
+# project's dependency list: a change to any of them builds a new image;
+# otherwise this prints the cached one at once. --refresh builds again regardless (security
 # updates). Older images of the same flavour are removed once a new one is ready.
 #
 # Needs root (debootstrap, file ownership in the image), debootstrap, e2fsprogs
@@ -61,7 +61,10 @@ ca_bundle=${OUROBOROS_VM_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 packages=(linux-image-amd64 systemd systemd-sysv udev dbus dbus-user-session libpam-systemd
   openssh-server openssh-client iproute2 procps kmod e2fsprogs
   bubblewrap emacs-nox git python3-venv ca-certificates redis-server)
-key=$(cat "$0" pyproject.toml <(echo "$flavour") | sha256sum | cut -c1-16)
+# The dependency list, not the whole pyproject.toml: a change to the project's own
+# settings (its tests, its lint) needs no new image.
+dependencies=$(python3 -c 'import sys, tomllib; print(*tomllib.load(sys.stdin.buffer)["project"]["dependencies"], sep="\n")' <pyproject.toml)
+key=$(cat "$0" <(echo "$dependencies") <(echo "$flavour") | sha256sum | cut -c1-16)
 image="$cache/$flavour-$key"
 
 if [ "$refresh" -eq 0 ] && [ -f "$image/ready" ]; then

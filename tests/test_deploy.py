@@ -511,6 +511,41 @@ def test_install_keeps_an_edited_env_file_and_loads_only_present_credentials(
     )
 
 
+def test_a_new_release_with_the_same_dependencies_installs_only_the_project(tmp_path: Path):
+    root = scratch_root(tmp_path / "root")
+    install(root)
+    # The same source, one byte more: another release, the same dependency set.
+    source = tmp_path / "source"
+    source.mkdir()
+    for part in ("pyproject.toml", "organism.el", "README.md"):
+        shutil.copy(ROOT / part, source / part)
+    for part in ("worker", "scheduler", "sandbox_scripts"):
+        shutil.copytree(ROOT / part, source / part, ignore=shutil.ignore_patterns("__pycache__"))
+    with (source / "worker/__init__.py").open("a") as init:
+        init.write("\n")
+    first = os.readlink(root / "opt/ouroboros/current")
+    second = install(root, "--source", str(source))
+    assert "building release" in second.stdout
+    assert "installing the dependencies" not in second.stdout
+    releases = root / "opt/ouroboros"
+    current = releases / "current"
+    assert os.readlink(current) != first
+    (dependencies,) = (root / "opt/ouroboros/dependencies").iterdir()
+    (site,) = (current / "venv/lib").glob("python3*/site-packages")
+    (shared,) = (dependencies / "venv/lib").glob("python3*/site-packages")
+    # The dependencies are the same files, hard-linked; the project is this release's own.
+    for name in ("click/__init__.py", "celery/__init__.py"):
+        assert (site / name).stat().st_ino == (shared / name).stat().st_ino
+    assert (site / "worker/__init__.py").read_text().endswith("\n\n")
+    assert not (shared / "worker").exists()
+    for path in (current / "venv/bin").iterdir():
+        if path.is_file() and not path.is_symlink():
+            text = path.read_bytes()
+            assert b"/dependencies/" not in text and str(root).encode() not in text, path
+    assert "/dependencies/" not in (current / "venv/pyvenv.cfg").read_text()
+    assert (releases / first / "venv/bin/schedule-lineage").is_file()
+
+
 # --- systemd-analyze verify ---------------------------------------------------------------
 
 

@@ -4,8 +4,17 @@ Owns booting the image of ``scripts/vm-image.sh`` (TCG: no KVM is needed), the g
 network, running commands in it over ssh as root, powering it off, and installing
 this checkout's fleet in it with ``deploy/install.sh`` (``install_fleet``, which gives
 a ``Host``: the operator's commands, as root or as the ``ouroboros`` user). Every boot
-writes to a copy-on-write overlay of its own, so the cached image stays pristine and
+writes to a copy-on-write overlay of its own, so the cached images stay pristine and
 each test module starts from the same freshly built guest.
+
+Under TCG, installing the fleet's dependencies and compiling their bytecode takes
+the better part of half an hour. So ``fleet_layer`` caches, beside the image (whose
+name is already a hash of the dependency list), a second copy-on-write layer: the
+guest after ``deploy/install.sh`` installed a release of this checkout, with the
+dependencies' bytecode compiled and the worker not started. A test boots that
+layer and runs ``deploy/install.sh`` again with its own wheel: the dependency set
+is the same, so install.sh copies the installed dependencies and installs only the
+project. Should the set differ after all, install.sh installs it: slow, not wrong.
 
 The guest's network is QEMU's user mode with ``restrict=on``: the guest reaches no
 address at all, except the host's loopback ports the caller forwards by name
@@ -22,6 +31,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +46,19 @@ HOST_ALIAS = "10.0.2.100"
 MEMORY_MIB = 2048
 CPUS = 2
 WORKER_UNIT = "ouroboros-worker.service"
+LAYER = "fleet-layer.qcow2"
+# The guest has no package registry: pip takes the wheels built into the image.
+PIP_ARGS = "--pip-arg=--no-index --pip-arg=--find-links=/opt/ouroboros-wheels"
+# One Python start for several commands of the CLI: under TCG each start costs tens
+# of seconds. argv[1] is a JSON list of argument lists, run in order; the first
+# that fails ends the batch with its traceback or exit status.
+CLI_BATCH = """
+import json, sys
+from scheduler.cli import cli
+for args in json.loads(sys.argv[1]):
+    print("$ schedule-lineage", *args, flush=True)
+    cli.main(args, prog_name="schedule-lineage", standalone_mode=False)
+"""
 
 
 def build_image(flavour: str = "bookworm", timeout: float = 3600) -> Path:
@@ -55,15 +78,23 @@ def build_image(flavour: str = "bookworm", timeout: float = 3600) -> Path:
 class Guest:
     """One booted guest; ``host_ports`` are the host loopback ports it may dial."""
 
-    def __init__(self, image: Path, scratch: Path, host_ports: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        image: Path,
+        scratch: Path,
+        host_ports: tuple[int, ...] = (),
+        layer: Path | None = None,
+    ) -> None:
+        """A guest of ``image``, or of ``layer`` (a qcow2 layer over it) when given."""
         self.image = image
         self.scratch = scratch
         self.ssh_port = free_port()
         self.console = scratch / "console.log"
         self.overlay = scratch / "overlay.qcow2"
+        backing, backing_format = (layer, "qcow2") if layer else (image / "rootfs.raw", "raw")
         subprocess.run(
-            ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b",
-             str(image / "rootfs.raw"), str(self.overlay)],
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-F", backing_format, "-b",
+             str(backing), str(self.overlay)],
             check=True,
         )  # fmt: skip
         network = f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22"
@@ -160,15 +191,20 @@ class Guest:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout)
 
-    def shut_down(self, timeout: float = 180) -> None:
-        """A clean shutdown if the guest still answers, else pulling the plug."""
+    def shut_down(self, timeout: float = 180) -> bool:
+        """A clean shutdown if the guest still answers, else pulling the plug.
+
+        True if the guest powered itself off (its disk is consistent).
+        """
         if self.process is None or self.process.poll() is not None:
-            return
+            return False
         self.run("systemctl poweroff", check=False, timeout=60)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.power_off()
+            return False
+        return True
 
 
 # Runs a command as the worker's account, with the worker's settings, from its home.
@@ -198,10 +234,28 @@ class Host:
         return self.guest.run(f"as-ouroboros {command}", timeout=timeout).stdout
 
     def cli(self, *args: str, timeout: float = 600) -> str:
-        quoted = " ".join(map(shlex.quote, args))
+        return self.cli_batch([list(args)], timeout)
+
+    def cli_batch(self, commands: list[list[str]], timeout: float = 600) -> str:
+        """Several ``schedule-lineage`` commands, in order, in one Python process."""
         return self.as_ouroboros(
-            f"/opt/ouroboros/current/venv/bin/schedule-lineage {quoted}", timeout
+            "/opt/ouroboros/current/venv/bin/python -c "
+            + shlex.quote(CLI_BATCH)
+            + " "
+            + shlex.quote(json.dumps(commands)),
+            timeout,
         )
+
+    def set_setting(self, name: str, value: str) -> None:
+        """``name`` set to ``value`` in the worker's settings (read when it starts)."""
+        self.guest.run(
+            f"sed -i '/^{name}=/d' /etc/ouroboros/ouroboros.env && "
+            f"echo {name}={value} >>/etc/ouroboros/ouroboros.env"
+        )
+
+    def set_ceiling(self, driver: str) -> None:
+        """OUROBOROS_CEILING in the worker's settings (``systemd``: ``auto``, which picks it)."""
+        self.set_setting("OUROBOROS_CEILING", "auto" if driver == "systemd" else driver)
 
     def user_systemctl(self, *args: str) -> str:
         return self.as_ouroboros("systemctl --user " + " ".join(args))
@@ -266,31 +320,62 @@ def project_wheel(directory: Path) -> Path:
     return wheel
 
 
-def install_fleet(guest: Guest) -> Host:
-    """This checkout installed with deploy/install.sh, its worker started; the operator's view.
-
-    The guest has no package registry: pip takes the dependencies' wheels built into
-    the image, and this project's wheel built here.
-    """
+def put_release(guest: Guest) -> str:
+    """This checkout's source and wheel in the guest; the install.sh command that installs them."""
     wheel = project_wheel(guest.scratch)
-    guest.run("mkdir -p /root/src && tar -C /root/src -xf -", input=source_tar())
+    guest.run(
+        "rm -rf /root/src && mkdir -p /root/src && tar -C /root/src -xf -", input=source_tar()
+    )
     guest.put(f"/root/{wheel.name}", wheel.read_bytes())
     guest.put("/usr/local/bin/as-ouroboros", AS_OUROBOROS.encode(), mode="0755")
-    install = (
-        f"/root/src/deploy/install.sh --no-apt --wheel /root/{wheel.name} --pip-arg=--no-index"
-        f" --pip-arg=--find-links=/opt/ouroboros-wheels --instrument-commit {INSTRUMENT_COMMIT}"
+    return (
+        f"/root/src/deploy/install.sh --no-apt --wheel /root/{wheel.name} {PIP_ARGS}"
+        f" --instrument-commit {INSTRUMENT_COMMIT}"
     )
-    guest.run(install, timeout=1800)
-    # Under TCG, compiling the dependencies' sources costs each Python process a minute
-    # or more; their bytecode is written once here. The instrument and the CLI
-    # (worker/, scheduler/) stay source-only, as every release runs them.
-    guest.run(
-        "/opt/ouroboros/current/venv/bin/python -m compileall -q -j 2"
-        " -x '/(worker|scheduler|sandbox_scripts)/' /opt/ouroboros/current/venv/lib >/dev/null",
-        timeout=1800,
-    )
-    # Two lives at once: the guest has two CPUs.
-    guest.run("echo OUROBOROS_CONCURRENCY=2 >>/etc/ouroboros/ouroboros.env")
+
+
+def fleet_layer(image: Path, scratch: Path, timeout: float = 3600) -> Path:
+    """The cached layer over ``image`` with the fleet's dependencies installed (built if absent).
+
+    Built by booting the image and running deploy/install.sh as ``install_fleet``
+    does, then compiling the dependencies' bytecode: under TCG, compiling them
+    costs each Python process a minute or more. The instrument and the CLI
+    (worker/, scheduler/) stay source-only, as every release runs them. The
+    worker is not started, and lingering is undone, so that a boot of the layer
+    starts no worker of the layer's release.
+    """
+    layer = image / LAYER
+    if layer.exists():
+        return layer
+    guest = Guest(image, scratch)
+    try:
+        guest.boot()
+        guest.run(put_release(guest), timeout=timeout)
+        guest.run(
+            "/usr/bin/python3 -m compileall -q -j 2 /opt/ouroboros/dependencies >/dev/null",
+            timeout=timeout,
+        )
+        guest.run("loginctl disable-linger ouroboros")
+        if not guest.shut_down():
+            raise AssertionError(f"the layer's guest did not power off: {guest.diagnosis()}")
+    finally:
+        guest.power_off()
+    partial = layer.with_suffix(".partial")
+    shutil.copyfile(guest.overlay, partial)
+    partial.rename(layer)
+    return layer
+
+
+def install_fleet(guest: Guest, ceiling: str, concurrency: int) -> Host:
+    """This checkout installed with deploy/install.sh, its worker started; the operator's view.
+
+    ``guest`` boots the layer of ``fleet_layer``: install.sh builds this checkout's
+    release on the dependencies already there. The worker starts with ``ceiling``,
+    and ``concurrency`` lives at once.
+    """
+    install = put_release(guest)
     host = Host(guest, install)
+    host.set_ceiling(ceiling)
+    host.set_setting("OUROBOROS_CONCURRENCY", str(concurrency))
     host.reinstall()
     return host
