@@ -115,7 +115,6 @@ class BenchFleet:
             self.root,
             LANG="C.UTF-8",
             PYTHONPATH=str(self.source),
-            PYTHONDONTWRITEBYTECODE="1",
             OUROBOROS_BROKER_URL=redis_url,
         )
         self.env = self.fleet.env
@@ -128,7 +127,6 @@ class BenchFleet:
             del os.environ[name]
         os.environ.update({k: v for k, v in self.env.items() if k not in ("PATH", "HOME")})
         os.environ.update(extra)
-        sys.dont_write_bytecode = True
         sys.path.insert(0, str(self.source))
         for name in list(sys.modules):
             if name.split(".")[0] in ("worker", "scheduler", "sandbox_scripts"):

@@ -24,13 +24,17 @@ import shutil
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from celery import Celery
 from pydantic import BaseModel
 
 from scheduler.views import LiveWorker
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import current
+
+if TYPE_CHECKING:
+    # Only the callers that ask the broker build an app; status at rest never does.
+    from celery import Celery
 
 INSPECT_TIMEOUT_SECONDS = 1.0
 GENERATION_QUEUE_PREFIX = "gen."
@@ -134,7 +138,7 @@ def start_command(settings: Settings | None) -> str:
     celery = Path(sys.executable).parent / "celery"
     on_path = shutil.which("celery")
     program = "celery" if on_path and Path(on_path) == celery else shlex.quote(str(celery))
-    return f"{prefix}PYTHONDONTWRITEBYTECODE=1 {program} -A worker worker"
+    return f"{prefix}{program} -A worker worker"
 
 
 def start_hint(

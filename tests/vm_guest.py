@@ -178,8 +178,7 @@ set -a
 . /opt/ouroboros/current/instrument.env
 set +a
 cd /var/lib/ouroboros
-exec runuser -u ouroboros -- env XDG_RUNTIME_DIR=/run/user/$(id -u ouroboros) \\
-  PYTHONDONTWRITEBYTECODE=1 "$@"
+exec runuser -u ouroboros -- env XDG_RUNTIME_DIR=/run/user/$(id -u ouroboros) "$@"
 """
 
 

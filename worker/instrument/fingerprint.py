@@ -8,6 +8,9 @@ bytes loaded), the instrument version and commit, and the fleet-version check.
 After ``Instrument.load()`` the worker never reads its own code from disk again, so
 editing files under a running worker changes nothing it does; a restarted worker
 with different bytes has a different fingerprint and serves a different queue.
+The code imported is the code of those bytes: ``worker/__init__.py`` keeps the
+bytecode in a private cache as checked hash-based pycs, validated against the source
+on every import.
 
 Trusts: the files of its own package at load time, and the environment for
 ``OUROBOROS_FLEET_VERSION`` / ``OUROBOROS_INSTRUMENT_COMMIT``.
@@ -21,7 +24,6 @@ import os
 import pkgutil
 import re
 import subprocess
-import sys
 from functools import cache
 from importlib import metadata, resources
 from pathlib import Path
@@ -70,8 +72,6 @@ class Instrument(BaseModel):
     @classmethod
     def load(cls) -> Instrument:
         """Import every trusted module, read scripts and seed, and fingerprint the bytes."""
-        sys.dont_write_bytecode = True
-        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
         digest = hashlib.sha256()
         sizes: dict[str, int] = {}
         for name in package_modules(FLEET_PACKAGE):
