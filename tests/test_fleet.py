@@ -431,8 +431,9 @@ IMMUTABLE_CHECK = """
 import os, sys
 from pathlib import Path
 import worker
-from worker.instrument.fingerprint import current
+from worker.instrument.fingerprint import current, load_plumbing
 instrument = current()
+load_plumbing()
 root = Path(worker.__file__).parent
 on_disk = [
     ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")

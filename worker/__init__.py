@@ -25,8 +25,12 @@ from exactly those bytes:
   started with ``--check-hash-based-pycs never`` is refused.
 
 Third-party packages are cached in the same directory the ordinary way (timestamp
-pycs, as their own ``__pycache__`` would be). ``PYTHONDONTWRITEBYTECODE=1`` still
-means nothing is written: modules without a valid cached pyc are compiled from source.
+pycs, as their own ``__pycache__`` would be). Bytecode writing is switched on for
+the cache whatever ``PYTHONDONTWRITEBYTECODE`` or ``-B`` said: what they are for
+(no bytecode beside the sources) holds anyway, and with the prefix set the pycs in
+site-packages are no longer read, so not writing would mean compiling every package
+at every start. A user without a home to keep the cache in (a uid with no account)
+gets an empty private directory for the process instead: nothing read, nothing written.
 
 Trusts: the interpreter, and its user's own home (or ``PYTHONPYCACHEPREFIX``).
 """
@@ -88,12 +92,12 @@ def _private_cache() -> Path:
                 f"the bytecode cache {cache} lies under {ancestor} (uid {seen.st_uid}, mode "
                 f"{stat.S_IMODE(seen.st_mode):o}), which others can change"
             )
+    sys.dont_write_bytecode = False
     return cache
 
 
 def _throwaway_cache() -> Path:
-    """No home to keep a cache in (a uid without an account): an empty private
-    directory for this process, so that no bytecode is read at all, and none written."""
+    """An empty private directory for this process: no bytecode read, none written."""
     import atexit
     import shutil
     import tempfile
@@ -108,7 +112,8 @@ def checked_bytecode(package: Path) -> None:
     """Compile every module under ``package`` to a checked hash-based pyc in the cache.
 
     Only the pycs missing or of another kind are written; a checked one with a stale
-    hash is left for the import system, which recompiles it as a checked one.
+    hash is left for the import system, which recompiles it as a checked one. Nothing
+    is written for a process without a cache of its own (``_throwaway_cache``).
     """
     if sys.dont_write_bytecode:
         return
