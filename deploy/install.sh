@@ -217,8 +217,9 @@ if [ ! -f "$(R "$release_dir/.complete")" ]; then
   else
     wheel_file=$wheel
   fi
-  # No bytecode: the worker never uses it (immutable runtime), and without it a
-  # release directory is a pure function of its inputs.
+  # No bytecode in the release: every process keeps it in its own account's private,
+  # checked cache (worker/__init__.py), and without it a release directory is a pure
+  # function of its inputs.
   "$(R "$venv")/bin/python" -m pip install -q --disable-pip-version-check --no-compile \
     "${pip_args[@]}" "$wheel_file"
   if [ -n "$root" ]; then

@@ -281,11 +281,13 @@ def install_fleet(guest: Guest) -> Host:
     )
     guest.run(install, timeout=1800)
     # Under TCG, compiling the dependencies' sources costs each Python process a minute
-    # or more; their bytecode is written once here. The instrument and the CLI
-    # (worker/, scheduler/) stay source-only, as every release runs them.
+    # or more; their bytecode is written once here, into the account's own checked cache
+    # (worker/__init__.py), where every unit and command of the account reads it.
     guest.run(
-        "/opt/ouroboros/current/venv/bin/python -m compileall -q -j 2"
-        " -x '/(worker|scheduler|sandbox_scripts)/' /opt/ouroboros/current/venv/lib >/dev/null",
+        "as-ouroboros /opt/ouroboros/current/venv/bin/python"
+        " -X pycache_prefix=/var/lib/ouroboros/.cache/ouroboros-fleet/pycache"
+        " -m compileall -q -j 2 --invalidation-mode checked-hash"
+        " /opt/ouroboros/current/venv/lib >/dev/null",
         timeout=1800,
     )
     # Two lives at once: the guest has two CPUs.
