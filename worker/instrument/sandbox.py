@@ -25,7 +25,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -208,19 +207,8 @@ def kernel_directory(files: Mapping[str, bytes], identity: SandboxIdentity) -> I
             identity.own(path)
         yield kernel
     finally:
-        _REMOVALS.submit(_remove_kernel_dir, kernel, owner_file)
-
-
-# Removing a kernel directory right after its life waits in the kernel (about 10 ms a
-# life) while the life's mount namespace, where it is mounted at /kernel, is torn down.
-# One thread removes them off the generation's path; the interpreter waits for it at
-# exit, and a process killed first leaves them to ``sweep_kernel_dirs``, as ever.
-_REMOVALS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-dir-removal")
-
-
-def _remove_kernel_dir(kernel: Path, owner_file: Path) -> None:
-    shutil.rmtree(kernel, ignore_errors=True)
-    owner_file.unlink(missing_ok=True)
+        shutil.rmtree(kernel, ignore_errors=True)
+        owner_file.unlink(missing_ok=True)
 
 
 def sweep_kernel_dirs() -> None:
