@@ -2,9 +2,9 @@
 
 Owns asking the broker which queues the live workers consume (Celery's control
 broadcast ``active_queues``, which each worker's own consumer answers, so a worker
-that stopped consuming stops answering), the answer as data (``Workers``), and the
-wording ``run``, ``status`` and the web UI share when a lineage's queue
-``gen.<fingerprint12>`` has no live worker: the queue, the instrument it needs, the
+that stopped consuming stops answering), the answer as data (``Workers`` of
+``LiveWorker``), and the wording ``run``, ``status`` and the web UI share when a
+lineage's queue ``gen.<fingerprint12>`` has no live worker: the queue, the instrument it needs, the
 exact command that starts a worker for it on this host (or ``run --local``), and
 which live workers serve other instruments instead.
 
@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from scheduler.views import LiveWorker
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import current
 
@@ -38,6 +37,13 @@ if TYPE_CHECKING:
 
 INSPECT_TIMEOUT_SECONDS = 1.0
 GENERATION_QUEUE_PREFIX = "gen."
+
+
+class LiveWorker(BaseModel):
+    """A worker that answered, and the queues it consumes."""
+
+    hostname: str
+    queues: list[str]
 
 
 class Workers(BaseModel):
