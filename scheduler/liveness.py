@@ -4,9 +4,9 @@ Owns asking the broker which queues the live workers consume (Celery's control
 broadcast ``active_queues``, which each worker's own consumer answers, so a worker
 that stopped consuming stops answering), the answer as data (``Workers`` of
 ``LiveWorker``), and the wording ``run``, ``status`` and the web UI share when a
-lineage's queue ``gen.<fingerprint12>`` has no live worker: the queue, the instrument it needs, the
-exact command that starts a worker for it on this host (or ``run --local``), and
-which live workers serve other instruments instead.
+lineage's queue ``gen.<fingerprint12>`` has no live worker: the queue, the
+instrument it needs, the exact command that starts a worker for it on this host
+(or ``run --local``), and which live workers serve other instruments instead.
 
 An unreachable broker is "unknown" (``Workers.reachable`` false), never "no worker":
 nothing here claims a queue is unserved unless the broker answered and no worker
