@@ -41,6 +41,7 @@ from pathlib import Path
 # The fleet harness lives with the tests (they import it from there): one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from lineage_support import (
+    BYTECODE_CACHE,
     SMALL_PHYSICS,
     Fleet,
     PrivateRedis,
@@ -201,6 +202,8 @@ class BenchFleet:
             print(f"(kept {self.root})")
         else:
             shutil.rmtree(self.root, ignore_errors=True)
+        # A benchmark ends in os._exit, which skips the harness's own removal at exit.
+        shutil.rmtree(BYTECODE_CACHE, ignore_errors=True)
 
     def __enter__(self) -> BenchFleet:
         return self
