@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import py_compile
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,7 @@ def test_the_instrument_runs_from_checked_pycs_in_a_private_cache(copy: Path) ->
         # PEP 552: flags 0b11 (hash-based, checked), then the hash of exactly these bytes.
         assert header[4:8] == (0b11).to_bytes(4, "little"), line
         assert header[8:16] == importlib.util.source_hash(Path(source).read_bytes()), line
-    assert not cache.stat().st_mode & 0o022
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert not pycs(copy), "no bytecode beside the sources"
 
 

@@ -14,8 +14,9 @@ from exactly those bytes:
   is set to a private directory, ``PYTHONPYCACHEPREFIX`` if the launcher set one, else
   ``~/.cache/ouroboros-fleet/pycache``. Private means a real directory owned by this
   user, written by nobody else, under ancestors only this user or root can change
-  (sticky directories such as ``/tmp`` allowed); anything else is refused with exit
-  status 2. Nothing in a sandbox can reach it: a life sees only ``/usr`` of the host.
+  (sticky directories such as ``/tmp`` allowed), and made 0700; anything else is
+  refused with exit status 2. Nothing in a sandbox can reach it: a life sees only
+  ``/usr`` of the host.
 * every module of the fleet's own packages is compiled there as a *checked
   hash-based* pyc (PEP 552): the pyc records a hash of its source and the import
   system compares it with the source file on every import, recompiling on a
@@ -42,12 +43,13 @@ import stat
 import sys
 from importlib.util import MAGIC_NUMBER, cache_from_source
 from pathlib import Path
+from typing import NoReturn
 
 # A pyc's flags word (PEP 552): bit 0 hash-based, bit 1 check the source.
 _CHECKED_HASH_FLAGS = (0b11).to_bytes(4, "little")
 
 
-def _refuse(problem: str) -> None:
+def _refuse(problem: str) -> NoReturn:
     sys.stderr.write(
         f"error: {problem}; set PYTHONPYCACHEPREFIX to a directory only this user can "
         "write (mode 700), or make this one so\n"
@@ -55,8 +57,10 @@ def _refuse(problem: str) -> None:
     raise SystemExit(2)
 
 
-def _private_cache() -> Path:
-    """The bytecode directory, created if missing and checked to be this user's alone."""
+def _private_cache() -> Path | None:
+    """The bytecode directory, created if missing, checked to be this user's alone and
+    made 0700 (so that nobody else even reaches the directories the compilers create
+    in it, whatever the umask); None when there is no home to keep it in."""
     if _imp.check_hash_based_pycs == "never":
         sys.stderr.write(
             "error: this interpreter runs with --check-hash-based-pycs never, so bytecode "
@@ -70,7 +74,7 @@ def _private_cache() -> Path:
             cache = Path.home() / ".cache" / "ouroboros-fleet" / "pycache"
             cache.mkdir(mode=0o700, parents=True, exist_ok=True)
         except (OSError, RuntimeError):
-            return _throwaway_cache()
+            return None
     try:
         cache.mkdir(mode=0o700, parents=True, exist_ok=True)
         found = os.lstat(cache)
@@ -92,7 +96,8 @@ def _private_cache() -> Path:
                 f"the bytecode cache {cache} lies under {ancestor} (uid {seen.st_uid}, mode "
                 f"{stat.S_IMODE(seen.st_mode):o}), which others can change"
             )
-    sys.dont_write_bytecode = False
+    if stat.S_IMODE(found.st_mode) != 0o700:
+        os.chmod(cache, 0o700)
     return cache
 
 
@@ -102,7 +107,6 @@ def _throwaway_cache() -> Path:
     import shutil
     import tempfile
 
-    sys.dont_write_bytecode = True
     cache = tempfile.mkdtemp(prefix="ouroboros-no-bytecode-")
     atexit.register(shutil.rmtree, cache, True)
     return Path(cache)
@@ -143,5 +147,8 @@ def checked_bytecode(package: Path) -> None:
                 continue
 
 
-sys.pycache_prefix = str(_private_cache())
+_cache = _private_cache()
+# Written whatever PYTHONDONTWRITEBYTECODE or -B said (see above); never for a throwaway.
+sys.dont_write_bytecode = _cache is None
+sys.pycache_prefix = str(_cache or _throwaway_cache())
 checked_bytecode(Path(__file__).resolve().parent)
