@@ -25,10 +25,9 @@ ARG DEBIAN_IMAGE=debian:bookworm-slim
 # ---------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS base
 
-# The immutable runtime never writes bytecode; nothing else in the image should
-# either (a root healthcheck would otherwise drop .pyc files into site-packages).
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
+# Each process keeps the fleet's bytecode in its user's private, checked cache
+# (~/.cache/ouroboros-fleet/pycache, see worker/__init__.py), never in site-packages.
+ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -41,6 +41,7 @@ from pathlib import Path
 # The fleet harness lives with the tests (they import it from there): one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from lineage_support import (
+    BYTECODE_CACHE,
     SMALL_PHYSICS,
     Fleet,
     PrivateRedis,
@@ -115,7 +116,6 @@ class BenchFleet:
             self.root,
             LANG="C.UTF-8",
             PYTHONPATH=str(self.source),
-            PYTHONDONTWRITEBYTECODE="1",
             OUROBOROS_BROKER_URL=redis_url,
         )
         self.env = self.fleet.env
@@ -128,7 +128,6 @@ class BenchFleet:
             del os.environ[name]
         os.environ.update({k: v for k, v in self.env.items() if k not in ("PATH", "HOME")})
         os.environ.update(extra)
-        sys.dont_write_bytecode = True
         sys.path.insert(0, str(self.source))
         for name in list(sys.modules):
             if name.split(".")[0] in ("worker", "scheduler", "sandbox_scripts"):
@@ -203,6 +202,8 @@ class BenchFleet:
             print(f"(kept {self.root})")
         else:
             shutil.rmtree(self.root, ignore_errors=True)
+        # A benchmark ends in os._exit, which skips the harness's own removal at exit.
+        shutil.rmtree(BYTECODE_CACHE, ignore_errors=True)
 
     def __enter__(self) -> BenchFleet:
         return self

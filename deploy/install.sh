@@ -253,8 +253,9 @@ PY
     rm -rf "$(R "$dependencies")"
     install -d -m 0755 "$(R "$prefix/dependencies")" "$(R "$dependencies")"
     "$python" -m venv "$(R "$dependencies/venv")"
-    # No bytecode: the worker never uses it (immutable runtime), and without it a
-    # release directory is a pure function of its inputs.
+    # No bytecode in the release: every process keeps it in its own account's private,
+    # checked cache (worker/__init__.py), and without it a release directory is a pure
+    # function of its inputs.
     "$(R "$dependencies/venv")/bin/python" -m pip install -q --disable-pip-version-check \
       --no-compile "${pip_args[@]}" -r "$work/requirements.txt"
     if [ -n "$root" ]; then

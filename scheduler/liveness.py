@@ -2,11 +2,11 @@
 
 Owns asking the broker which queues the live workers consume (Celery's control
 broadcast ``active_queues``, which each worker's own consumer answers, so a worker
-that stopped consuming stops answering), the answer as data (``Workers``), and the
-wording ``run``, ``status`` and the web UI share when a lineage's queue
-``gen.<fingerprint12>`` has no live worker: the queue, the instrument it needs, the
-exact command that starts a worker for it on this host (or ``run --local``), and
-which live workers serve other instruments instead.
+that stopped consuming stops answering), the answer as data (``Workers`` of
+``LiveWorker``), and the wording ``run``, ``status`` and the web UI share when a
+lineage's queue ``gen.<fingerprint12>`` has no live worker: the queue, the
+instrument it needs, the exact command that starts a worker for it on this host
+(or ``run --local``), and which live workers serve other instruments instead.
 
 An unreachable broker is "unknown" (``Workers.reachable`` false), never "no worker":
 nothing here claims a queue is unserved unless the broker answered and no worker
@@ -24,16 +24,26 @@ import shutil
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from celery import Celery
 from pydantic import BaseModel
 
-from scheduler.views import LiveWorker
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import current
 
+if TYPE_CHECKING:
+    # Only the callers that ask the broker build an app; status at rest never does.
+    from celery import Celery
+
 INSPECT_TIMEOUT_SECONDS = 1.0
 GENERATION_QUEUE_PREFIX = "gen."
+
+
+class LiveWorker(BaseModel):
+    """A worker that answered, and the queues it consumes."""
+
+    hostname: str
+    queues: list[str]
 
 
 class Workers(BaseModel):
@@ -134,7 +144,7 @@ def start_command(settings: Settings | None) -> str:
     celery = Path(sys.executable).parent / "celery"
     on_path = shutil.which("celery")
     program = "celery" if on_path and Path(on_path) == celery else shlex.quote(str(celery))
-    return f"{prefix}PYTHONDONTWRITEBYTECODE=1 {program} -A worker worker"
+    return f"{prefix}{program} -A worker worker"
 
 
 def start_hint(

@@ -4,7 +4,8 @@ Owns the shape of every answer the reader gives (and so the OpenAPI schema of th
 JSON API). Figures come from the worker's own records (``IndexEntry``,
 ``Observation``, ``RunRecord``, ``LineageMetadata``), reused as they are; what is
 added here is what only the shared repository knows (commits, numbering, journal,
-diffs) and what is derived for display (progress, counts, chart series).
+diffs) and what is derived for display (progress, counts, chart series); a live
+worker is liveness's own answer (``LiveWorker``).
 
 Trusts: nothing beyond its types; every string in these models that came from a
 lineage is organism-made and must be escaped wherever it is rendered.
@@ -20,6 +21,7 @@ from pydantic import BaseModel, computed_field
 
 from scheduler.genealogy import Genealogy
 from scheduler.history import CommitKind, JournalEntry
+from scheduler.liveness import LiveWorker
 from worker.fleet.runs import Progress
 from worker.instrument.lineage import LineageMetadata, Parentage
 from worker.instrument.records import DEATHS, IndexEntry, Observation
@@ -155,11 +157,6 @@ class JournalRow(BaseModel):
 
     commit: CommitView
     entry: JournalEntry | None
-
-
-class LiveWorker(BaseModel):
-    hostname: str
-    queues: list[str]
 
 
 class QueueWait(BaseModel):

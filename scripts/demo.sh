@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 
 export OUROBOROS_HOME="${OUROBOROS_HOME:-$PWD/.ouroboros}"
 export OUROBOROS_MODEL_PROVIDER="${OUROBOROS_MODEL_PROVIDER:-scripted}"
-# Workers never write bytecode; the package's own __init__ is compiled before it can say so.
-export PYTHONDONTWRITEBYTECODE=1
+# Bytecode lives only in the private, checked cache (worker/__init__.py says why); named
+# here so that the packages' own __init__ files, compiled before they can say so, go there too.
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$HOME/.cache/ouroboros-fleet/pycache}"
 generations="${DEMO_GENERATIONS:-4}"
 bin="$PWD/.venv/bin"
 logs="$OUROBOROS_HOME/logs"

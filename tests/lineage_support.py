@@ -17,6 +17,11 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
   ``terminate``, and ``task_envelope`` (a
   Celery task message as kombu's Redis transport stores it, to publish hostile variants).
 * ``helper_name``: what ``Fleet.traced`` reports a spawned process as.
+* ``BYTECODE_CACHE``: one private bytecode cache for every fleet process of this
+  test session or benchmark, the importing process and its children included (it
+  sets ``sys.pycache_prefix`` and ``PYTHONPYCACHEPREFIX``): a fleet home of its own
+  then costs no compiling of every package again, and nothing lands in the user's
+  own cache. Removed at exit.
 
 Imports nothing of ``worker`` or ``scheduler``: a benchmark must be able to load it
 before it chooses which copy of the instrument its process imports.
@@ -24,6 +29,7 @@ before it chooses which copy of the instrument its process imports.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import json
@@ -49,6 +55,10 @@ INSTRUMENT_COMMIT = "a" * 40
 SMALL_PHYSICS = ["--wall", "60", "--cpu-seconds", "60", "--memory-max", "512M"]
 
 T = TypeVar("T")
+
+BYTECODE_CACHE = tempfile.mkdtemp(prefix="ouro-pycache-")
+atexit.register(shutil.rmtree, BYTECODE_CACHE, True)
+sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"] = BYTECODE_CACHE
 
 _EXECVE = re.compile(r'execve\("[^"]*", \[(.*?)\](?:, | \.\.\.).*= 0$')
 _CLONE = re.compile(r"^(?:<\.\.\. )?(?:clone3?|v?fork)[( ].*= (\d+)$")
@@ -142,6 +152,7 @@ class Fleet:
             "OUROBOROS_HOME": str(home / ".ouroboros"),
             "OUROBOROS_INSTRUMENT_COMMIT": INSTRUMENT_COMMIT,
             "OUROBOROS_MODEL_PROVIDER": "scripted",
+            "PYTHONPYCACHEPREFIX": BYTECODE_CACHE,
             **extra_env,
         }
 
@@ -293,9 +304,7 @@ class Worker:
                 "--without-mingle",
                 *extra_args,
             ],
-            # As every launcher does (units, image, demo): the worker package's own
-            # __init__ is compiled before its first line can switch bytecode off.
-            env={**fleet.env, "PYTHONDONTWRITEBYTECODE": "1", **env},
+            env={**fleet.env, **env},
             cwd=fleet.home,
             stdout=self.log,
             stderr=subprocess.STDOUT,

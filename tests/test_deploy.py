@@ -243,11 +243,9 @@ def check_celery(argv: list[str], where: str, image: str) -> None:
         )
         return
     assert subcommand in {"worker", "beat", "inspect"}, f"{where}: celery {subcommand}"
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "worker", subcommand, "--help"],
         cwd=ROOT,
-        env=env,
         capture_output=True,
         text=True,
         timeout=120,

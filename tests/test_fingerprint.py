@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lineage_support import copy_instrument
+from lineage_support import BYTECODE_CACHE, copy_instrument
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
 
@@ -23,7 +23,11 @@ FINGERPRINT = "from worker.instrument.fingerprint import current; print(current(
 def fingerprint(root: Path) -> str:
     done = subprocess.run(
         [sys.executable, "-c", FINGERPRINT],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(root),
+            "PYTHONPYCACHEPREFIX": BYTECODE_CACHE,
+        },
         cwd=root,
         capture_output=True,
         text=True,

@@ -431,8 +431,9 @@ IMMUTABLE_CHECK = """
 import os, sys
 from pathlib import Path
 import worker
-from worker.instrument.fingerprint import current
+from worker.instrument.fingerprint import current, load_plumbing
 instrument = current()
+load_plumbing()
 root = Path(worker.__file__).parent
 on_disk = [
     ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
@@ -441,18 +442,23 @@ on_disk = [
 ]
 missing = [name for name in on_disk if name not in sys.modules]
 assert len(on_disk) > 30 and not missing, missing
-assert sys.dont_write_bytecode is True
-assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"
+assert sys.pycache_prefix == os.environ["PYTHONPYCACHEPREFIX"]
 assert set(instrument.scripts) == {"stage.sh"} and instrument.seed.startswith(b";;;")
 print(instrument.fingerprint)
 """
 
 
-def test_worker_loads_every_module_eagerly_and_writes_no_bytecode(tmp_path: Path) -> None:
+def test_worker_loads_every_module_eagerly_and_keeps_no_bytecode_by_its_sources(
+    tmp_path: Path,
+) -> None:
     copy = copy_instrument(PACKAGE_ROOT, tmp_path / "instrument")
     result = subprocess.run(
         [sys.executable, "-c", IMMUTABLE_CHECK],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(copy),
+            "PYTHONPYCACHEPREFIX": str(tmp_path / "cache"),
+        },
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -249,7 +249,7 @@ def flower(fleet: Fleet) -> Iterator[tuple[str, str]]:
             f"--port={port}",
             "--address=127.0.0.1",
         ],
-        env={**fleet.env, "FLOWER_BASIC_AUTH": auth, "PYTHONDONTWRITEBYTECODE": "1"},
+        env={**fleet.env, "FLOWER_BASIC_AUTH": auth},
         cwd=fleet.home,
         stdout=log,
         stderr=subprocess.STDOUT,

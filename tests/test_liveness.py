@@ -112,7 +112,7 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
     assert waited.returncode == 1, waited.stdout + waited.stderr
     assert time.monotonic() - started < 90
     assert f"patient: waiting: no live worker serves queue {queue}" in waited.stdout
-    assert f"OUROBOROS_HOME={home} PYTHONDONTWRITEBYTECODE=1" in waited.stdout
+    assert f"OUROBOROS_HOME={home} " in waited.stdout
     assert "-A worker worker" in waited.stdout
     assert "schedule-lineage run patient --generations N --local" in waited.stdout
     assert "giving up:" in waited.stderr and "OUROBOROS_WORKER_WAIT_SECONDS" in waited.stderr

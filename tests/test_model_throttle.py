@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from worker.fleet.assembly import model_throttle
-from worker.fleet.model_throttle import RedisThrottle, model_cap
+from worker.fleet.assembly import model_cap, model_throttle
+from worker.fleet.model_throttle import RedisThrottle
 from worker.fleet.settings import Settings
 from worker.instrument.model.throttle import Cap, LocalThrottle, NoRoom, Throttle
 

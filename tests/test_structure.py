@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from lineage_support import BYTECODE_CACHE
 
 from scheduler.cli import COMMANDS, LazyGroup, cli
 
@@ -56,7 +57,7 @@ def probe(tmp_path: Path, code: str) -> dict[str, object]:
         "PYTHONPATH": str(ROOT),
         "HOME": str(home),
         "OUROBOROS_HOME": str(home / ".ouroboros"),
-        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPYCACHEPREFIX": BYTECODE_CACHE,
     }
     script = textwrap.dedent(code) + textwrap.dedent(
         """

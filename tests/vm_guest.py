@@ -28,6 +28,7 @@ Trusts QEMU and the image; the guest itself is a test subject.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shlex
@@ -46,7 +47,15 @@ HOST_ALIAS = "10.0.2.100"
 MEMORY_MIB = 2048
 CPUS = 2
 WORKER_UNIT = "ouroboros-worker.service"
-LAYER = "fleet-layer.qcow2"
+# The dependencies' bytecode, compiled into the account's checked cache as a layer is
+# built; the layer's name carries a hash of it, so a layer built otherwise is not reused.
+COMPILE_DEPENDENCIES = (
+    "as-ouroboros /opt/ouroboros/current/venv/bin/python"
+    " -X pycache_prefix=/var/lib/ouroboros/.cache/ouroboros-fleet/pycache"
+    " -m compileall -q -j 2 --invalidation-mode checked-hash"
+    " /opt/ouroboros/current/venv/lib >/dev/null"
+)
+LAYER = f"fleet-layer-{hashlib.sha256(COMPILE_DEPENDENCIES.encode()).hexdigest()[:12]}.qcow2"
 # The guest has no package registry: pip takes the wheels built into the image.
 PIP_ARGS = "--pip-arg=--no-index --pip-arg=--find-links=/opt/ouroboros-wheels"
 # One Python start for several commands of the CLI: under TCG each start costs tens
@@ -214,8 +223,7 @@ set -a
 . /opt/ouroboros/current/instrument.env
 set +a
 cd /var/lib/ouroboros
-exec runuser -u ouroboros -- env XDG_RUNTIME_DIR=/run/user/$(id -u ouroboros) \\
-  PYTHONDONTWRITEBYTECODE=1 "$@"
+exec runuser -u ouroboros -- env XDG_RUNTIME_DIR=/run/user/$(id -u ouroboros) "$@"
 """
 
 
@@ -338,11 +346,14 @@ def fleet_layer(image: Path, scratch: Path, timeout: float = 3600) -> Path:
     """The cached layer over ``image`` with the fleet's dependencies installed (built if absent).
 
     Built by booting the image and running deploy/install.sh as ``install_fleet``
-    does, then compiling the dependencies' bytecode: under TCG, compiling them
-    costs each Python process a minute or more. The instrument and the CLI
-    (worker/, scheduler/) stay source-only, as every release runs them. The
-    worker is not started, and lingering is undone, so that a boot of the layer
-    starts no worker of the layer's release.
+    does, then compiling the dependencies' bytecode into the account's own checked
+    cache (worker/__init__.py), where every unit and command of the account reads
+    it: under TCG, compiling them costs each Python process a minute or more. The
+    paths are those of ``/opt/ouroboros/current``, which every later release keeps,
+    and the pycs are checked against their sources' hashes, so the hard-linked
+    dependencies of a later release find them valid. The worker is not started, and
+    lingering is undone, so that a boot of the layer starts no worker of the layer's
+    release.
     """
     layer = image / LAYER
     if layer.exists():
@@ -351,10 +362,7 @@ def fleet_layer(image: Path, scratch: Path, timeout: float = 3600) -> Path:
     try:
         guest.boot()
         guest.run(put_release(guest), timeout=timeout)
-        guest.run(
-            "/usr/bin/python3 -m compileall -q -j 2 /opt/ouroboros/dependencies >/dev/null",
-            timeout=timeout,
-        )
+        guest.run(COMPILE_DEPENDENCIES, timeout=timeout)
         guest.run("loginctl disable-linger ouroboros")
         if not guest.shut_down():
             raise AssertionError(f"the layer's guest did not power off: {guest.diagnosis()}")

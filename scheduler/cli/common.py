@@ -1,20 +1,21 @@
 """What several ``schedule-lineage`` command modules share.
 
 Owns the dollar parameter type, loading the settings as a one-line refusal, and
-printing rows as a rich table or as JSON. Imported only by command modules, so
-only when a command runs; it imports no command module.
+printing rows as a rich table or as JSON (rich is imported only for a table).
+Imported only by command modules, so only when a command runs; it imports no
+command module.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
 import click
 from pydantic import BaseModel, ValidationError
 
-from scheduler.output import console
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 
@@ -53,8 +54,12 @@ def load_settings() -> Settings:
         raise Refusal(f"{field}: {first['msg']}") from None
 
 
-def emit(rows: list[BaseModel], as_json: bool, table: Table) -> None:
+def emit(rows: list[BaseModel], as_json: bool, table: Callable[[], Table]) -> None:
+    """``rows`` as JSON, or the table ``table()`` builds from them."""
     if as_json:
         click.echo(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
     else:
-        console.print(table)
+        # rich (a tenth of a second to import) only for a table: scripts ask for JSON.
+        from scheduler.output import console
+
+        console.print(table())

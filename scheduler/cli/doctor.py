@@ -32,6 +32,6 @@ def doctor(as_json: bool) -> None:
     for check in results:
         mark = "[green]ok[/]" if check.ok else ("[red]missing[/]" if check.essential else "-")
         table.add_row(check.name, mark, check.detail)
-    emit(results, as_json, table)
+    emit(results, as_json, lambda: table)
     if not all(check.ok for check in results if check.essential):
         sys.exit(1)

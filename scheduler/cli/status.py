@@ -5,13 +5,16 @@ Imported only when ``status`` runs or its help is asked (see ``scheduler.cli``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
-from rich.table import Table
 
 from scheduler.cli.common import emit, load_settings
-from scheduler.output import console
-from scheduler.status import Fleet
+from scheduler.status import Fleet, LineageStatus
 from worker.instrument.lineage import check_name
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @click.command()
@@ -27,6 +30,19 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
     for name in names:
         check_name(name)
     rows = Fleet(settings).statuses(list(names) or None)
+    emit(rows, as_json, lambda: _table(rows))
+    if not as_json:
+        from scheduler.output import console
+
+        for row in rows:
+            if row.waiting:
+                console.print(row.waiting, highlight=False, soft_wrap=True)
+
+
+def _table(rows: list[LineageStatus]) -> Table:
+    """The status table; rich is imported only when one is printed."""
+    from rich.table import Table
+
     table = Table(
         "lineage", "gen/target", "in flight", "last", "deaths", "spent", "backlog", "state"
     )
@@ -54,8 +70,4 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
             state,
             row.genealogy.line,
         )
-    emit(rows, as_json, table)
-    if not as_json:
-        for row in rows:
-            if row.waiting:
-                console.print(row.waiting, highlight=False, soft_wrap=True)
+    return table

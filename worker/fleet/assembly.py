@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import current, instrument_commit
 from worker.instrument.gitrepo import LineageCache
+from worker.instrument.model.throttle import Cap, LocalThrottle
 from worker.instrument.spool import Spool
 from worker.instrument.store import ObservationStore, open_store
 
@@ -33,13 +34,21 @@ def observation_store(settings: Settings) -> ObservationStore:
     return open_store(settings.observations_url, settings)
 
 
+def model_cap(settings: Settings) -> Cap:
+    """The cap on each provider that the settings ask for."""
+    return Cap(
+        concurrent_calls=settings.model_max_concurrent_calls,
+        requests_per_minute=settings.model_requests_per_minute,
+        tokens_per_minute=settings.model_tokens_per_minute,
+    )
+
+
 def model_throttle(settings: Settings, *, shared: bool) -> Throttle:
     """The cap on model calls: the fleet's in Redis when shared, else this process's own."""
-    from worker.fleet.model_throttle import RedisThrottle, model_cap
-    from worker.instrument.model.throttle import LocalThrottle
-
     if shared:
+        # Redis only for the fleet's cap: ``run --local`` needs no broker client at all.
         from worker.fleet.leases import redis_client
+        from worker.fleet.model_throttle import RedisThrottle
 
         return RedisThrottle(redis_client(settings), model_cap(settings))
     return LocalThrottle(model_cap(settings))

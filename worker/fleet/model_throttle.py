@@ -2,7 +2,8 @@
 
 Owns ``RedisThrottle``, the instrument's ``Throttle``
 (``worker.instrument.model.throttle``, which defines the cap's limits and paces)
-kept in Redis, and ``model_cap``, the cap the settings ask for. Per provider, two keys:
+kept in Redis (the cap the settings ask for is ``worker.fleet.assembly.model_cap``).
+Per provider, two keys:
 
 * ``ouroboros:model-cap:<provider>:calls``: a sorted set of the calls in progress,
   each scored by when its hold expires (its call's deadline plus a margin), so a
@@ -36,7 +37,6 @@ from contextlib import contextmanager
 import redis
 
 from worker.fleet.leases import PREFIX
-from worker.fleet.settings import Settings
 from worker.instrument.model.throttle import POLL_SECONDS, Admission, Cap, no_room
 
 log = logging.getLogger("ouroboros.worker")
@@ -81,15 +81,6 @@ if redis.call('PTTL', KEYS[1]) < hold then
 end
 return 0
 """
-
-
-def model_cap(settings: Settings) -> Cap:
-    """The cap on each provider that the settings ask for."""
-    return Cap(
-        concurrent_calls=settings.model_max_concurrent_calls,
-        requests_per_minute=settings.model_requests_per_minute,
-        tokens_per_minute=settings.model_tokens_per_minute,
-    )
 
 
 class RedisThrottle:

@@ -1,13 +1,17 @@
 """The immutable runtime: what this worker process is, fixed at start.
 
 Owns the rule that the trusted instrument is every module in ``worker/instrument/``
-(fingerprinted by being there: there is no list to keep), loading them and the
-fleet plumbing in ``worker/fleet/`` eagerly, the in-memory copies of the sandbox
-scripts and the seed organism, the instrument fingerprint (sha256 over exactly the
-bytes loaded), the instrument version and commit, and the fleet-version check.
+(fingerprinted by being there: there is no list to keep), loading them eagerly (and,
+for a worker, the fleet plumbing in ``worker/fleet/``: ``load_plumbing``), the
+in-memory copies of the sandbox scripts and the seed organism, the instrument
+fingerprint (sha256 over exactly the bytes loaded), the instrument version and
+commit, and the fleet-version check.
 After ``Instrument.load()`` the worker never reads its own code from disk again, so
 editing files under a running worker changes nothing it does; a restarted worker
 with different bytes has a different fingerprint and serves a different queue.
+The code imported is the code of those bytes: ``worker/__init__.py`` keeps the
+bytecode in a private cache as checked hash-based pycs, validated against the source
+on every import.
 
 Trusts: the files of its own package at load time, and the environment for
 ``OUROBOROS_FLEET_VERSION`` / ``OUROBOROS_INSTRUMENT_COMMIT``.
@@ -21,7 +25,6 @@ import os
 import pkgutil
 import re
 import subprocess
-import sys
 from functools import cache
 from importlib import metadata, resources
 from pathlib import Path
@@ -34,10 +37,10 @@ from worker.instrument.names import COMMIT_PATTERN, ORGANISM_PATH, queue_name
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 INSTRUMENT_PACKAGE = "worker.instrument"
-# Fleet plumbing, loaded eagerly too (so editing it on disk changes nothing a running
-# worker does) but not fingerprinted: queues and leases are not physics, and a fix to
-# them must not force every lineage to start over. ``worker.celery`` is the entry
-# point that loads the instrument, so it is loaded already.
+# Fleet plumbing, loaded eagerly by a worker too (so editing it on disk changes nothing
+# a running worker does) but not fingerprinted: queues and leases are not physics, and
+# a fix to them must not force every lineage to start over. ``worker.celery`` is the
+# entry point that loads the instrument and the plumbing, so it is loaded already.
 FLEET_PACKAGE = "worker.fleet"
 SANDBOX_SCRIPTS: tuple[str, ...] = ("stage.sh",)
 SEED_NAME = ORGANISM_PATH
@@ -70,12 +73,8 @@ class Instrument(BaseModel):
     @classmethod
     def load(cls) -> Instrument:
         """Import every trusted module, read scripts and seed, and fingerprint the bytes."""
-        sys.dont_write_bytecode = True
-        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
         digest = hashlib.sha256()
         sizes: dict[str, int] = {}
-        for name in package_modules(FLEET_PACKAGE):
-            importlib.import_module(name)
         for name in package_modules(INSTRUMENT_PACKAGE):
             module = importlib.import_module(name)
             path = Path(module.__file__ or "")
@@ -99,6 +98,17 @@ class Instrument(BaseModel):
             seed=seed,
             sources=sizes,
         )
+
+
+def load_plumbing() -> None:
+    """Import every module of the fleet plumbing, as a long-running worker must.
+
+    Not part of ``Instrument.load``: a command line that runs generations itself
+    (``run --local``) never imports the broker's side (Celery, the planner) at all,
+    and paid a tenth of a second per start to load it.
+    """
+    for name in package_modules(FLEET_PACKAGE):
+        importlib.import_module(name)
 
 
 def package_modules(package: str) -> list[str]:

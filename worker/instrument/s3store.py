@@ -3,7 +3,9 @@
 Owns talking to a bucket through boto3: write-once puts with ``If-None-Match: *``,
 overwrites, reads and listings under a key prefix, and the mapping of every boto3 or
 service failure to ``StoreUnavailable`` without a secret in its message. Imported by
-``worker.instrument.store.open_store`` only for an ``s3://`` URL.
+``worker.instrument.store.open_store`` only for an ``s3://`` URL (and by the instrument's
+eager load, which is why boto3 itself is imported only when a store is opened: a fleet
+on a file store never loads it, a tenth of a second and more at every start).
 
 Trusts: the settings it is given (endpoint, region, addressing style), the standard
 AWS credential chain (read by boto3, never stored, logged or put in a message), and
@@ -13,13 +15,12 @@ the service to answer 412 to a conditional create of an existing key.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
-
-import boto3
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from typing import TYPE_CHECKING, Any, Protocol
 
 from worker.instrument.store import ObservationStore, StoreUnavailable, redact_url
+
+if TYPE_CHECKING:
+    from botocore.exceptions import BotoCoreError, ClientError
 
 # A 409 ConditionalRequestConflict means another conditional write of the same key
 # was in flight. AWS asks callers to retry: the retry settles it as 412 (the other
@@ -41,6 +42,11 @@ class S3Store(ObservationStore):
     """A bucket and optional key prefix on any S3-compatible service."""
 
     def __init__(self, url: str, bucket: str, prefix: str, settings: S3Config) -> None:
+        import boto3
+        from botocore import exceptions
+        from botocore.config import Config
+
+        self.errors = exceptions  # botocore's exception classes, caught below
         self.url = url
         self.bucket = bucket
         self.prefix = prefix
@@ -72,13 +78,13 @@ class S3Store(ObservationStore):
             try:
                 self.client.put_object(IfNoneMatch="*", **self._put_args(key, data))
                 return True
-            except ClientError as exc:
+            except self.errors.ClientError as exc:
                 code = _error_code(exc)
                 if code == "PreconditionFailed":
                     return False
                 if code != "ConditionalRequestConflict" or attempt == _CONFLICT_ATTEMPTS:
                     raise self._unavailable(key, exc) from exc
-            except BotoCoreError as exc:
+            except self.errors.BotoCoreError as exc:
                 raise self._unavailable(key, exc) from exc
             time.sleep(_CONFLICT_BACKOFF_SECONDS * 2 ** (attempt - 1))
             attempt += 1
@@ -86,7 +92,7 @@ class S3Store(ObservationStore):
     def _put(self, key: str, data: bytes) -> None:
         try:
             self.client.put_object(**self._put_args(key, data))
-        except (ClientError, BotoCoreError) as exc:
+        except (self.errors.ClientError, self.errors.BotoCoreError) as exc:
             raise self._unavailable(key, exc) from exc
 
     def _get(self, key: str) -> bytes | None:
@@ -94,11 +100,11 @@ class S3Store(ObservationStore):
             response = self.client.get_object(Bucket=self.bucket, Key=self._full_key(key))
             body: bytes = response["Body"].read()
             return body
-        except ClientError as exc:
+        except self.errors.ClientError as exc:
             if _error_code(exc) in ("NoSuchKey", "404"):
                 return None
             raise self._unavailable(key, exc) from exc
-        except BotoCoreError as exc:
+        except self.errors.BotoCoreError as exc:
             raise self._unavailable(key, exc) from exc
 
     def _list(self, prefix: str) -> list[str]:
@@ -110,7 +116,7 @@ class S3Store(ObservationStore):
             )
             for page in pages:
                 keys.extend(item["Key"][cut:] for item in page.get("Contents", []))
-        except (ClientError, BotoCoreError) as exc:
+        except (self.errors.ClientError, self.errors.BotoCoreError) as exc:
             raise self._unavailable(prefix, exc) from exc
         return keys
 
@@ -129,12 +135,12 @@ class S3Store(ObservationStore):
     def _unavailable(self, key: str, exc: ClientError | BotoCoreError) -> StoreUnavailable:
         # Only the error code and message: neither boto3 nor S3 puts a secret there,
         # whereas request dumps (headers, string-to-sign) could carry one.
-        if isinstance(exc, ClientError):
+        if isinstance(exc, self.errors.ClientError):
             error = exc.response.get("Error", {})
             detail = f"{error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")
         else:
             detail = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, NoCredentialsError):
+        if isinstance(exc, self.errors.NoCredentialsError):
             detail += " (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or an AWS profile)"
         where = f" at {self.endpoint}" if self.endpoint else ""
         # botocore quotes the request URL in connection errors: redact all of it.
