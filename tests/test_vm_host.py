@@ -282,6 +282,12 @@ def test_an_endless_loop_ends_wall_timeout(lives: Lives) -> None:
     observation = lives.observations["looper"]
     assert observation["outcome"] == "wall_timeout", observation["stderr"]
     assert observation["driver_result"] == "timeout"
+    # The figures outlive the wall-time kill: the systemd driver signals only the
+    # unit's main process, so the ExecStopPost= collector the manager runs is spared
+    # even when the manager's own RuntimeMaxSec fired first.
+    assert observation["memory_peak_bytes"] > 0
+    assert observation["oom_kills"] == 0
+    assert observation["cpu_usage_nsec"] > 0
 
 
 def test_a_fork_bomb_is_held_at_the_task_ceiling(lives: Lives) -> None:

@@ -124,6 +124,10 @@ class SystemdEnclosure(Enclosure):
             f"TasksMax={physics.tasks_max}",
             f"RuntimeMaxSec={physics.wall_seconds}",
             "KillMode=control-group",
+            # The manager's own stop (RuntimeMaxSec, or the main process killed below)
+            # ends whatever the life left in the cgroup at once: a hostile organism
+            # cannot hold its unit up by ignoring SIGTERM.
+            "KillSignal=SIGKILL",
             f"ExecStopPost=/bin/sh {self._collector} {self.figures_file}",
         ]
         return [
@@ -141,12 +145,15 @@ class SystemdEnclosure(Enclosure):
 
     def kill(self, cause: KillCause | None = None) -> None:
         if self._cause is not None:
-            # The unit's cgroup already had its SIGKILL, and the first cause stands. A second
-            # one (the sweep) would land on the ExecStopPost= collector the manager runs
-            # there next, and the life would have no figures at all.
+            # The first cause stands, and the main process already had its SIGKILL.
             return
         self._cause = cause
-        self._ceiling.systemctl("kill", "--signal=SIGKILL", self.unit)
+        # Only the main process: the manager then stops the unit, SIGKILLs the rest of
+        # its cgroup (KillSignal=) and runs the ExecStopPost= collector. A SIGKILL to the
+        # whole unit would also land on that collector whenever the manager's own
+        # RuntimeMaxSec (the same wall time) had fired first, and the life would have
+        # no peak memory or OOM count (seen on systemd 254 with five lives at once).
+        self._ceiling.systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", self.unit)
 
     def figures(self) -> Figures:
         shown = self._ceiling.systemctl("show", self.unit, "-p", ",".join(SHOWN), check=True)
