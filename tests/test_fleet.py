@@ -10,6 +10,7 @@ observation objects.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -86,6 +87,18 @@ def test_two_workers_advance_four_lineages_exactly_once(
     assert all(row["observation_backlog"] == 0 for row in status)
     for worker in workers:
         assert "Traceback" not in worker.text()
+
+
+def test_the_parent_freezes_its_objects_before_the_pool_forks(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    # The pool children share the parent's heap only if the freeze comes before the fork.
+    worker = start(fleet, workers, "w1")
+    log = worker.text()
+    frozen = re.search(r"(\d+) objects frozen before the pool forks", log)
+    assert frozen is not None, log
+    assert int(frozen.group(1)) > 10_000
+    assert frozen.start() < log.index("ready.")
 
 
 def test_sigkill_mid_generation_lands_that_generation_exactly_once(

@@ -218,3 +218,18 @@ def test_a_death_adds_at_most_a_few_kilobytes_to_the_journal_however_long_its_li
     entry = journal.entry_died(3, 5, stderr, datetime(2026, 12, 1, tzinfo=UTC))
     assert len(entry.encode()) < 5 * (4 * journal.JOURNAL_LINE_CHARS + 100) + 200
     assert entry.count("[199500 more characters in the observation]") == 5
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (b"", "E"),
+        (b"# journal\n", "# journal\n\nE"),
+        (b"# journal", "# journal\n\nE"),
+        (b"## gen 1 \xe2\x80\x94 no-change\n", "## gen 1 \u2014 no-change\n\nE"),
+        # A journal written elsewhere, with bytes that are not UTF-8.
+        (b"caf\xe9\n", "caf\ufffd\n\nE"),
+    ],
+)
+def test_append_separates_entries_by_one_blank_line(before: bytes, after: str) -> None:
+    assert journal.append(before, "E") == after.encode()

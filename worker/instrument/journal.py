@@ -121,10 +121,14 @@ def _inert(line: str) -> str:
 
 
 def append(journal: bytes, entry: str) -> bytes:
-    """The journal with one more entry, separated from the last by a blank line."""
-    text = journal.decode("utf-8", errors="replace")
-    if text and not text.endswith("\n"):
-        text += "\n"
-    if text:
-        text += "\n"
-    return (text + entry).encode()
+    """The journal with one more entry, separated from the last by a blank line.
+
+    Bytes of the old journal that are not UTF-8 come out as U+FFFD. The journal grows
+    with every generation, so it is joined as bytes: it is only decoded to check it.
+    """
+    try:
+        journal.decode("utf-8")
+    except UnicodeDecodeError:
+        journal = journal.decode("utf-8", errors="replace").encode()
+    separator = b"" if not journal else b"\n" if journal.endswith(b"\n") else b"\n\n"
+    return b"".join((journal, separator, entry.encode()))

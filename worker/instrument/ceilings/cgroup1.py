@@ -110,24 +110,19 @@ class Cgroup1Ceiling(Ceiling):
             own = self._own()
         except OSError as exc:
             return f"cannot read this process's cgroups: {exc}"
-        missing = [c for c in CONTROLLERS if c not in own]
-        if missing:
-            return f"no cgroup v1 hierarchy mounted for {' '.join(missing)}"
-        unwritable = [str(own[c]) for c in CONTROLLERS if not os.access(own[c], os.W_OK)]
-        if unwritable:
-            return f"cannot create cgroups in {', '.join(unwritable)}"
-        try:
-            read_keyed(own["memory"] / "memory.oom_control", "oom_kill")
-        except CeilingError:
-            return "memory.oom_control has no oom_kill counter (needs Linux 4.13+)"
-        return None
+        return _unusable(own)
 
     def open(self, physics: Physics, label: str) -> Cgroup1Enclosure:
         name = scope_name(label)
-        reason = self.unavailable_reason()
+        # /proc/self/mountinfo is read once per life, for the check and the scope: on a
+        # host with many mounts, reading it is most of the CPU a scope costs the worker.
+        try:
+            own = self._own()
+        except OSError as exc:
+            raise CeilingError(f"cannot read this process's cgroups: {exc}") from None
+        reason = _unusable(own)
         if reason is not None:
             raise CeilingError(reason)
-        own = self._own()
         directories: dict[str, Path] = {}
         enclosure = Cgroup1Enclosure(directories)
         try:
@@ -140,6 +135,21 @@ class Cgroup1Ceiling(Ceiling):
             enclosure.close()
             raise
         return enclosure
+
+
+def _unusable(own: dict[str, Path]) -> str | None:
+    """Why no scope can be made under ``own`` (controller -> directory), or None."""
+    missing = [c for c in CONTROLLERS if c not in own]
+    if missing:
+        return f"no cgroup v1 hierarchy mounted for {' '.join(missing)}"
+    unwritable = [str(own[c]) for c in CONTROLLERS if not os.access(own[c], os.W_OK)]
+    if unwritable:
+        return f"cannot create cgroups in {', '.join(unwritable)}"
+    try:
+        read_keyed(own["memory"] / "memory.oom_control", "oom_kill")
+    except CeilingError:
+        return "memory.oom_control has no oom_kill counter (needs Linux 4.13+)"
+    return None
 
 
 def swap_active() -> bool:
