@@ -82,7 +82,9 @@ def serve(app: Celery, instrument_queue: str) -> None:
 def sender(app: Celery) -> Send:
     """The ``send`` of a Planner: one generation job onto its instrument's queue."""
 
-    def send_job(job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool) -> None:
+    def send_job(
+        job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool = False
+    ) -> None:
         app.send_task(
             GENERATION_TASK,
             kwargs={"payload": job.model_dump(mode="json")},
