@@ -20,20 +20,24 @@ from ``--faults``, comes every ``--every`` seconds:
 * ``garbage``: a malformed message (not JSON, no delivery tag, pickle, unknown task,
   oversized) pushed onto the generation queue.
 
-A fault's recovery time runs from the moment the fault ends (the kill, the restart,
-the store back) until every lineage it hit has landed its next generation, or
-finished its run. The lineages a fault hits: the lives the killed process ran (or
-held: a pool child's lease, a fetched job), the lives in flight when Redis restarts
-with its data, when the store comes back or when garbage arrives, and every
-unfinished lineage when Redis loses its data (every queued job is gone).
+A fault's recovery is measured twice from the moment the fault ends (the kill, the
+restart, the store back): *landed*, until every lineage it hit has landed its next
+generation or finished its run (the targets are judged on this one), and *resumed*,
+until each of them is in a live worker's hands again (its lease held by a living
+process), or has landed or finished: landed less the queue and the life. The lineages
+a fault hits: the lives the killed process ran (or held: a pool child's lease, a
+fetched job), the lives in flight when Redis restarts with its data, when the store
+comes back or when garbage arrives, and every unfinished lineage when Redis loses its
+data (every queued job is gone).
 
 When the last round has landed, the soak waits for the spool to drain, stops
 everything and checks every invariant: a linear first-parent history with ``gen 1..N``
-exactly once and in order, one observation per generation whose number,
-commit and parent match git, the index and ``status --json`` agreeing with both, every
-spool empty, no process left in any worker's session and no leftover cgroup. It prints
-a table and exits 1 if an invariant fails; the timing targets are printed, never
-enforced (``tests/test_soak.py`` runs a short soak in CI and checks the exit status).
+exactly once and in order, one observation per generation whose number, commit and
+parent match git, the index and ``status --json`` agreeing with both, every spool
+empty, no process left in any worker's session and no leftover cgroup. It prints a
+table and a timeline of the faults, and exits 1 if an invariant fails; the timing
+targets are printed, never enforced (``tests/test_soak.py`` runs a short soak in CI
+and checks the exit status).
 
     .venv/bin/python bench/soak.py                          # the long soak (see README)
     .venv/bin/python bench/soak.py --lineages 3 --generations 3 --rounds 2 --workers 2
@@ -88,9 +92,13 @@ MUST_BE_ZERO = (
 class Fault:
     kind: str
     ended: float = 0.0
-    # lineage -> its head when the fault ended; recovered once each has moved or finished.
+    hit: int = 0
+    # lineage -> its head when the fault ended; landed once each has moved or finished.
     waiting: dict[str, str | None] = field(default_factory=dict)
     recovered: float | None = None
+    # The same, until each is held by a living process again (or has moved or finished).
+    resuming: dict[str, str | None] = field(default_factory=dict)
+    resumed: float | None = None
 
 
 def parse_args() -> argparse.Namespace:
@@ -159,6 +167,7 @@ class Soak:
         self.incarnations = 0
         self.every_worker: list[Worker] = []
         self.faults: list[Fault] = []
+        self.began = time.monotonic()
         self.schedule: list[str] = []
         self.garbage_sent = 0
         self.lock = threading.Lock()
@@ -315,6 +324,8 @@ class Soak:
                 wait_for(lambda: self.drops() >= self.garbage_sent, 60, "the drop", 0.2)
             fault.ended = time.monotonic()
         fault.waiting = {name: self.generation(name)[0] for name in hit}
+        fault.resuming = dict(fault.waiting)
+        fault.hit = len(hit)
         return fault
 
     def drops(self) -> int:
@@ -339,8 +350,20 @@ class Soak:
                 with self.lock:
                     self.faults.append(fault)
 
+    def held_alive(self, name: str) -> bool:
+        """True if a living process holds the lineage's lease (all of the fleet is on this host)."""
+        import redis
+
+        from worker.fleet.leases import holder_dead
+
+        try:
+            token = self.redis.get(f"ouroboros:lease:{name}")
+        except redis.RedisError:
+            return False  # Redis is being restarted: nothing is known to hold it
+        return token is not None and not holder_dead(token.decode(errors="replace"))
+
     def watch(self) -> None:
-        """Mark each fault recovered once every lineage it hit moved on or finished."""
+        """Mark each fault resumed, then landed, as every lineage it hit is again in hand."""
         with self.lock:
             open_faults = [f for f in self.faults if f.recovered is None]
         now = time.monotonic()
@@ -349,6 +372,11 @@ class Soak:
                 current, number = self.generation(name)
                 if current != head or number >= self.target:
                     del fault.waiting[name]
+                    fault.resuming.pop(name, None)
+                elif name in fault.resuming and self.held_alive(name):
+                    del fault.resuming[name]
+            if not fault.resuming and fault.resumed is None:
+                fault.resumed = now - fault.ended
             if not fault.waiting:
                 fault.recovered = now - fault.ended
 
@@ -528,6 +556,10 @@ def _received(worker: Worker) -> str | None:
     return match.group(1) if match else None
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def garbage() -> list[bytes]:
     """One message of each malformed shape a worker must drop."""
     good = task_envelope("ouroboros.generation", [[], {}, {}])
@@ -554,19 +586,33 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
     print(f"\n{'invariant':<24}{'count':>8}")
     for key in ("landed", "lost", "doubled", "extra observations", *MUST_BE_ZERO):
         print(f"{key:<24}{counts[key]:>8}")
-    print(f"\n{'fault':<14}{'count':>6}{'recovered':>11}{'max s':>8}{'median s':>10}")
+    print("\nfault timeline (s from the soak's start; recovery s from the fault's end):")
+    print(f"{'#':>3} {'fault':<14}{'ended':>8}{'hit':>5}{'resumed':>9}{'landed':>8}")
+    for number, fault in enumerate(soak.faults, 1):
+        print(
+            f"{number:>3} {fault.kind:<14}{fault.ended - soak.began:>8.1f}{fault.hit:>5}"
+            f"{_seconds(fault.resumed):>9}{_seconds(fault.recovered):>8}"
+        )
+    print(
+        f"\n{'fault':<14}{'count':>6}{'landed':>8}{'max s':>8}{'median s':>10}"
+        f"{'resumed':>9}{'max s':>8}{'median s':>10}"
+    )
     by_kind: dict[str, list[Fault]] = {}
     for fault in soak.faults:
         by_kind.setdefault(fault.kind, []).append(fault)
-    worst = 0.0
+    worst = worst_resumed = 0.0
     for kind in FAULTS:
         faults = by_kind.get(kind, [])
         times = [f.recovered for f in faults if f.recovered is not None]
+        resumed = [f.resumed for f in faults if f.resumed is not None]
         worst = max([worst, *times])
+        worst_resumed = max([worst_resumed, *resumed])
         if faults:
             print(
-                f"{kind:<14}{len(faults):>6}{len(times):>11}"
+                f"{kind:<14}{len(faults):>6}{len(times):>8}"
                 f"{max(times, default=0):>8.1f}{median(times) if times else 0:>10.1f}"
+                f"{len(resumed):>9}"
+                f"{max(resumed, default=0):>8.1f}{median(resumed) if resumed else 0:>10.1f}"
             )
     clean = [(n, s) for chaos, n, s in rounds if not chaos]
     chaotic = [(n, s) for chaos, n, s in rounds if chaos]
@@ -582,6 +628,7 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
     exact = not (counts["lost"] or counts["doubled"] or counts["extra observations"])
     target_recovery = args.lease + args.reconcile + 15
     unrecovered = sum(1 for f in soak.faults if f.recovered is None)
+    unresumed = sum(1 for f in soak.faults if f.resumed is None)
     print("\ntargets:")
     print(
         f"  0 lost/doubled/extra over >= 500 generations with >= 30 faults: "
@@ -589,8 +636,14 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
         f"{'PASS' if exact and total >= 500 and len(soak.faults) >= 30 else 'MISS'}"
     )
     print(
-        f"  worst recovery <= {target_recovery:g} s: {worst:.1f} s, {unrecovered} unrecovered, "
+        f"  worst recovery (landed) <= {target_recovery:g} s: {worst:.1f} s, "
+        f"{unrecovered} unrecovered, "
         f"{'PASS' if worst <= target_recovery and not unrecovered else 'MISS'}"
+    )
+    print(
+        f"  (not the target) worst resumed: {worst_resumed:.1f} s, {unresumed} never resumed, "
+        f"{'within' if worst_resumed <= target_recovery and not unresumed else 'beyond'} "
+        f"{target_recovery:g} s"
     )
     print(
         f"  chaos throughput >= 70% of fault-free: "

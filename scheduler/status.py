@@ -89,11 +89,13 @@ class Fleet:
             send=self._send,
         )
 
-    def _send(self, job: GenerationJob, job_id: str, queue: str, time_limit: int) -> None:
+    def _send(
+        self, job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool
+    ) -> None:
         # The Celery client is built at the first job sent, not for a command that sends none.
         from worker.fleet.app import sender
 
-        sender(self.app)(job, job_id, queue, time_limit)
+        sender(self.app)(job, job_id, queue, time_limit, first)
 
     def workers(self, until_served: set[str] | None = None) -> Workers:
         """The live workers and the queues they serve, as the broker reports them now.

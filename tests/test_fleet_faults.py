@@ -1,14 +1,15 @@
 """The fleet under single faults, each forced at its exact instant, with real workers.
 
 One test per fault the chaos soak (``bench/soak.py``) injects at random: a worker
-killed between fetching a job and starting it, a pool child killed mid-life, a Redis
-restart with and without its data, and garbage on every queue a worker consumes,
-published the way a real client reaches the queue (the store outage is in
-``tests/test_fleet.py``). Each checks the
-recovery comes within ``OUROBOROS_LEASE_SECONDS`` plus one reconcile interval (with
-generous margins: never a timing assertion), and the durable records after it. Also:
-the queues' bindings as ``inspect`` reports them, and Flower, run as the compose file
-runs it, listing the fleet's workers and tasks through its HTTP API.
+killed between fetching a job and starting it (within the lease, and released at once
+by the worker restarted on its host), a whole worker killed mid-life (released the
+same way), a pool child killed mid-life, a Redis restart with and without its data,
+and garbage on every queue a worker consumes, published the way a real client reaches
+the queue (the store outage is in ``tests/test_fleet.py``). Each checks the recovery
+comes within ``OUROBOROS_LEASE_SECONDS`` plus one reconcile interval (with generous
+margins: never a timing assertion), and the durable records after it. Also: the
+queues' bindings as ``inspect`` reports them, and Flower, run as the compose file runs
+it, listing the fleet's workers and tasks through its HTTP API.
 """
 
 from __future__ import annotations
@@ -79,6 +80,70 @@ def test_worker_killed_between_fetch_and_claim_is_recovered_within_the_lease(
         reconciler.wait()
     assert time.monotonic() - killed < LEASE + RECONCILE + MARGIN
     assert_linear(fleet, "fetched", 1)
+
+
+def patient_fleet(tmp_path: Path, redis_url: str) -> Fleet:
+    """A fleet whose leases and markers outlive any test: only a release can recover it."""
+    return Fleet(
+        tmp_path,
+        OUROBOROS_BROKER_URL=redis_url,
+        OUROBOROS_LEASE_SECONDS="600",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS=str(RECONCILE),
+    )
+
+
+def test_a_job_fetched_by_a_killed_worker_is_released_by_the_worker_restarted_on_its_host(
+    tmp_path: Path, redis_url: str, workers: list[Worker]
+) -> None:
+    fleet = patient_fleet(tmp_path, redis_url)
+    fleet.ok("init", "fetched", "--seed", str(seed_file(fleet.home, WRITES_STATE)), *SMALL_PHYSICS)
+    victim = start(fleet, workers, "victim")
+    for child in victim.pool_children():
+        os.kill(child, signal.SIGSTOP)
+    client = redis.Redis.from_url(redis_url)
+    fleet.ok("run", "fetched", "--generations", "1")
+    holder = "ouroboros:holder:fetched"
+    record = wait_for(lambda: client.get(holder), 60, "the fetcher to hold the job's marker")
+    assert f":{victim.process.pid}:" in record.decode()
+    victim.kill()
+    heir = start(fleet, workers, "heir")
+    reconciler = background(fleet, "reconcile", "--loop")
+    try:
+        # Far within the marker's 600 s: the heir saw its predecessor dead and released it.
+        wait_for(lambda: generations(fleet, "fetched"), 120, "generation 1")
+        wait_for(lambda: fleet.observation_numbers("fetched") == [1], 60, "its observation")
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+    assert_linear(fleet, "fetched", 1)
+    assert "released job fetched." in heir.text()
+
+
+def test_a_life_whose_whole_worker_was_killed_is_released_by_the_worker_restarted_on_its_host(
+    tmp_path: Path, redis_url: str, workers: list[Worker]
+) -> None:
+    fleet = patient_fleet(tmp_path, redis_url)
+    seed = seed_file(fleet.home, SLOW.format(seconds=30) + WRITES_STATE)
+    fleet.ok("init", "felled", "--seed", str(seed), *SMALL_PHYSICS)
+    victim = start(fleet, workers, "victim")
+    client = redis.Redis.from_url(redis_url)
+    fleet.ok("run", "felled", "--generations", "1")
+    token = wait_for(lambda: client.get("ouroboros:lease:felled"), 60, "the life to start")
+    (child,) = victim.pool_children()
+    assert f":{child}:" in token.decode()
+    # Main process and pool child at once: no redelivery can come, only the 600 s lease.
+    victim.kill()
+    heir = start(fleet, workers, "heir")
+    reconciler = background(fleet, "reconcile", "--loop")
+    try:
+        wait_for(lambda: generations(fleet, "felled"), 180, "generation 1")
+        wait_for(lambda: fleet.observation_numbers("felled") == [1], 60, "its observation")
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+    assert_linear(fleet, "felled", 1)
+    assert "released job felled." in heir.text()
 
 
 def test_a_killed_pool_child_is_recovered_by_its_redelivery(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,9 +86,14 @@ class Sent:
     """A ``send`` that records its calls instead of talking to Celery."""
 
     calls: list[tuple[GenerationJob, str, str, int]] = field(default_factory=list)
+    # Per call: sent to the front of its queue, ahead of the jobs already waiting there.
+    first: list[bool] = field(default_factory=list)
 
-    def __call__(self, job: GenerationJob, job_id: str, queue: str, time_limit: int) -> None:
+    def __call__(
+        self, job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool
+    ) -> None:
         self.calls.append((job, job_id, queue, time_limit))
+        self.first.append(first)
 
     @property
     def jobs(self) -> list[GenerationJob]:
@@ -446,6 +452,15 @@ def test_reconcile_re_enqueues_a_run_whose_message_and_marker_were_lost(rig: Rig
     assert len(rig.sent.calls) == 2
 
 
+def test_what_reconcile_recovers_goes_first_and_a_planned_job_waits_its_turn(rig: Rig) -> None:
+    name, _ = rig.lineage("front")
+    rig.run(name, 2)
+    assert rig.planner.enqueue(name) is not None
+    rig.client.delete(f"{leases.PREFIX}:inflight:{name}")  # its message was lost
+    assert rig.planner.reconcile() == [name]
+    assert rig.sent.first == [False, True]
+
+
 def test_reconcile_skips_a_lineage_whose_lease_is_held(rig: Rig) -> None:
     name, _ = rig.lineage("leased")
     rig.run(name, 2)
@@ -545,3 +560,74 @@ def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
         leases.claim_running(client, name, "heir", 30)
     assert client.get(theirs.key) == theirs.token.encode()
     assert leases.in_flight(client, name) == "heir"
+
+
+# -- leases.release_dead_holders --------------------------------------------------------------
+
+
+def _dead_holder() -> str:
+    """The holder name of a process of this host that has exited."""
+    process = subprocess.Popen(["sleep", "60"])
+    name = leases.holder_name(process.pid)
+    process.kill()
+    process.wait()
+    return name
+
+
+def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("orphaned")
+    dead = _dead_holder()
+    # As a pool child killed mid-life leaves them: its marker, its record, its lease.
+    client.set(f"{leases.PREFIX}:inflight:{name}", "job-1", ex=600)
+    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {dead}", ex=600)
+    client.set(f"{leases.PREFIX}:lease:{name}", f"{dead}/0123", ex=600)
+    assert (name, "job-1") in leases.release_dead_holders(client)
+    assert leases.in_flight(client, name) is None
+    assert not leases.lease_held(client, name)
+    assert not client.exists(f"{leases.PREFIX}:holder:{name}")
+
+
+def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("fetched")
+    assert leases.mark_in_flight(client, name, "job-1", 3600)
+    assert leases.keep_marker(client, name, "job-1", 600)  # this process fetched it
+    assert (name, "job-1") not in leases.release_dead_holders(client)
+    assert leases.in_flight(client, name) == "job-1"
+    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {_dead_holder()}", ex=600)
+    assert (name, "job-1") in leases.release_dead_holders(client)
+    assert leases.in_flight(client, name) is None
+
+
+def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    elsewhere, newer = unique("elsewhere"), unique("newer")
+    far = "another-host:" + _dead_holder().split(":", 1)[1]
+    client.set(f"{leases.PREFIX}:inflight:{elsewhere}", "job-1", ex=600)
+    client.set(f"{leases.PREFIX}:holder:{elsewhere}", f"job-1 {far}", ex=600)
+    # The dead holder's job ended and a live one took the lineage: only the record goes.
+    dead = _dead_holder()
+    client.set(f"{leases.PREFIX}:inflight:{newer}", "job-2", ex=600)
+    client.set(f"{leases.PREFIX}:holder:{newer}", f"job-1 {dead}", ex=600)
+    mine = leases.Lease(client, newer, 600)
+    assert mine.acquire()
+    released = leases.release_dead_holders(client)
+    assert (elsewhere, "job-1") not in released
+    assert leases.in_flight(client, elsewhere) == "job-1"
+    assert (newer, "job-1") in released
+    assert leases.in_flight(client, newer) == "job-2"
+    assert client.get(mine.key) == mine.token.encode()
+
+
+def test_leaving_removes_the_holder_record_with_the_marker(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("record")
+    with leases.holding(client, name, "job-1", 30):
+        record = client.get(f"{leases.PREFIX}:holder:{name}")
+        assert record == f"job-1 {leases.holder_name()}".encode()
+    assert not client.exists(f"{leases.PREFIX}:holder:{name}")

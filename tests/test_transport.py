@@ -15,9 +15,15 @@ import redis
 from kombu import Connection, Producer
 from lineage_support import task_envelope
 
-from worker.fleet.app import GENERATION_TASK, RECONCILE_TASK, client_app
+from worker.fleet.app import GENERATION_TASK, RECONCILE_TASK, client_app, sender
 from worker.fleet.settings import Settings
-from worker.fleet.transport import MAX_MESSAGE_BYTES, envelope_problem, problem
+from worker.fleet.transport import (
+    MAX_MESSAGE_BYTES,
+    ScreeningConnection,
+    envelope_problem,
+    problem,
+)
+from worker.instrument.job import GenerationJob
 
 QUEUE = "gen.0123456789ab"
 TASKS = frozenset({GENERATION_TASK})
@@ -33,6 +39,34 @@ def test_a_job_sent_by_the_fleets_own_client_passes(redis_url: str) -> None:
     app = client_app(Settings(broker_url=redis_url))
     app.send_task(GENERATION_TASK, kwargs={"payload": {"lineage": "x"}}, queue=QUEUE)
     assert problem(_popped(redis_url), tasks=TASKS) is None
+
+
+def test_a_recovered_job_is_popped_before_the_jobs_queued_ahead_of_it(redis_url: str) -> None:
+    send = sender(client_app(Settings(broker_url=redis_url)))
+    job = GenerationJob(lineage="front", expected_commit="a" * 40, provider="scripted")
+    for job_id, first in (("queued-1", False), ("queued-2", False), ("recovered", True)):
+        send(job, job_id, QUEUE, 600, first)
+    # The order kombu's Redis transport pops in, which is the order a worker runs them in.
+    with Connection(redis_url) as connection:
+        channel = connection.default_channel
+        popped = [channel.basic_get(QUEUE, no_ack=True).headers["id"] for _ in range(3)]
+    assert popped == ["recovered", "queued-1", "queued-2"]
+
+
+def test_a_job_requeued_for_its_dead_pool_child_goes_back_to_the_front(redis_url: str) -> None:
+    send = sender(client_app(Settings(broker_url=redis_url)))
+    job = GenerationJob(lineage="again", expected_commit="a" * 40, provider="scripted")
+    for job_id in ("orphaned", "queued-1", "queued-2"):
+        send(job, job_id, QUEUE, 600, False)
+    with ScreeningConnection(redis_url) as connection:
+        channel = connection.default_channel
+        delivered = channel.basic_get(QUEUE)
+        assert delivered.headers["id"] == "orphaned"
+        # What Celery does when the pool child running it dies (task_reject_on_worker_lost).
+        channel.basic_reject(delivered.delivery_tag, requeue=True)
+        popped = [channel.basic_get(QUEUE, no_ack=True).headers["id"] for _ in range(3)]
+    assert popped == ["orphaned", "queued-1", "queued-2"]
+    assert redis.Redis.from_url(redis_url).hlen("unacked") == 0
 
 
 def test_a_pickled_message_is_refused_by_content_type(redis_url: str) -> None:

@@ -4,9 +4,12 @@ Owns the broker settings every Celery app of the fleet shares (JSON only, late a
 requeue on a lost pool child, prefetch 1, a visibility timeout above any life plus
 publication, connection retry, task events for Flower), the task and queue names
 with their bindings (each queue on a direct exchange of its own name), and
-``send_job``. A lost broker connection does not cancel the lives in progress: each
-lands through the compare-and-swap push and the write-once observation, and the
-redelivery that may follow finds the lineage moved on (stale) or held (busy).
+``send_job`` with the job's place in its queue: a job the reconciler recovers goes
+ahead of every job already queued, so a lineage a fault stopped does not also wait
+behind the queued work of every other lineage. A lost broker connection does not
+cancel the lives in progress: each lands through the compare-and-swap push and the
+write-once observation, and the redelivery that may follow finds the lineage moved
+on (stale) or held (busy).
 
 The scheduler, the web UI and the reconciler build a client app
 here, which loads no instrument: only ``worker.fleet.tasks`` (through
@@ -30,6 +33,11 @@ RECONCILE_TASK = "ouroboros.reconcile"
 CONTROL_QUEUE = "ouroboros.control"
 # A soft time limit leaves this much of the hard one to clean up.
 SOFT_LIMIT_MARGIN_SECONDS = 30
+# kombu's Redis transport pops priority 0 before 3 (one list per step of its default
+# priority_steps, every worker polls them all): ordinary jobs wait at 3, a recovered
+# one at 0, ahead of them.
+RECOVERED_PRIORITY = 0
+QUEUED_PRIORITY = 3
 
 
 def client_app(settings: Settings, amqp: type[AMQP] | None = None) -> Celery:
@@ -74,7 +82,9 @@ def serve(app: Celery, instrument_queue: str) -> None:
 def sender(app: Celery) -> Send:
     """The ``send`` of a Planner: one generation job onto its instrument's queue."""
 
-    def send_job(job: GenerationJob, job_id: str, queue: str, time_limit: int) -> None:
+    def send_job(
+        job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool = False
+    ) -> None:
         app.send_task(
             GENERATION_TASK,
             kwargs={"payload": job.model_dump(mode="json")},
@@ -82,6 +92,7 @@ def sender(app: Celery) -> Send:
             queue=queue,
             time_limit=time_limit,
             soft_time_limit=time_limit - SOFT_LIMIT_MARGIN_SECONDS,
+            priority=RECOVERED_PRIORITY if first else QUEUED_PRIORITY,
         )
 
     return send_job

@@ -12,6 +12,10 @@ ever outlived by its lease's expiry. Once a worker has fetched a job, the job's 
 lives ``lease_seconds`` from then on, renewed by the worker while it holds the message
 (``keep_marker``) and by the lease's heartbeat while the life runs: a worker killed
 between fetching a job and starting it is noticed as soon as one that dies mid-life.
+Whoever keeps a marker alive (the main process that fetched the job, then the pool
+child living it) is named in a holder record beside it, so any process on the same
+host can see at once that the holder died and release its marker and lease
+(``release_dead_holders``) instead of waiting for them to expire.
 
 Correctness never rests on these: the compare-and-swap push and the write-once
 observation make a lost lease or marker harmless. Losing all of Redis loses only
@@ -182,15 +186,39 @@ def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: 
     return bool(client.set(f"{PREFIX}:inflight:{lineage}", job_id, nx=True, ex=ttl_seconds))
 
 
+def _marker_keys(lineage: str) -> tuple[str, str]:
+    """The lineage's in-flight marker and the record of the process keeping it alive."""
+    return f"{PREFIX}:inflight:{lineage}", f"{PREFIX}:holder:{lineage}"
+
+
+def _holder_record(job_id: str) -> str:
+    # Job ids and holder names hold no space: the first space ends the job id.
+    return f"{job_id} {holder_name()}"
+
+
 def claim_running(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
     """Mark ``job_id`` as the lineage's running job, for as long as its heartbeat lasts."""
-    client.set(f"{PREFIX}:inflight:{lineage}", job_id, ex=ttl_seconds)
+    marker, holder = _marker_keys(lineage)
+    with client.pipeline() as pipe:
+        pipe.set(marker, job_id, ex=ttl_seconds)
+        pipe.set(holder, _holder_record(job_id), ex=ttl_seconds)
+        pipe.execute()
+
+
+_KEEP = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "redis.call('expire', KEYS[1], ARGV[3]) "
+    "return redis.call('set', KEYS[2], ARGV[2], 'EX', ARGV[3]) end return 0"
+)
 
 
 def keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> bool:
-    """Make ``job_id``'s marker (if it is still the lineage's) expire ``ttl_seconds`` from now."""
-    key = f"{PREFIX}:inflight:{lineage}"
-    return bool(client.eval(Lease._RENEW, 1, key, job_id, ttl_seconds))
+    """Make ``job_id``'s marker (if it is still the lineage's) expire ``ttl_seconds`` from now.
+
+    This process becomes its holder: should it die, ``release_dead_holders`` frees the marker.
+    """
+    marker, holder = _marker_keys(lineage)
+    return bool(client.eval(_KEEP, 2, marker, holder, job_id, _holder_record(job_id), ttl_seconds))
 
 
 def in_flight(client: redis.Redis, lineage: str) -> str | None:
@@ -198,8 +226,57 @@ def in_flight(client: redis.Redis, lineage: str) -> str | None:
     return value.decode() if value else None
 
 
+_CLEAR = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end "
+    "local holder = redis.call('get', KEYS[2]) "
+    "if holder and string.find(holder, ARGV[1] .. ' ', 1, true) == 1 then "
+    "redis.call('del', KEYS[2]) end return 0"
+)
+
+
 def clear_in_flight(client: redis.Redis, lineage: str, job_id: str) -> None:
-    client.eval(Lease._RELEASE, 1, f"{PREFIX}:inflight:{lineage}", job_id)
+    client.eval(_CLEAR, 2, *_marker_keys(lineage), job_id)
+
+
+# Only if the holder record is still the dead one: its marker, and the lease if the
+# dead process holds it, go with it.
+_RELEASE_DEAD = (
+    "if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end "
+    "redis.call('del', KEYS[1]) "
+    "if redis.call('get', KEYS[2]) == ARGV[2] then redis.call('del', KEYS[2]) end "
+    "local lease = redis.call('get', KEYS[3]) "
+    "if lease and string.find(lease, ARGV[3], 1, true) == 1 then redis.call('del', KEYS[3]) end "
+    "return 1"
+)
+
+
+def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
+    """Free the marker (and lease) of every job whose holder died on this host.
+
+    A worker killed after fetching a job, or a pool child killed mid-life, leaves both
+    alive until they expire (``lease_seconds``); on its own host its death is certain at
+    once (``holder_dead``), and the reconciler's next pass re-enqueues the lineage.
+    Returns (lineage, job id) of each job released. A holder on another host is left to
+    expire: only its own host can tell it is gone.
+    """
+    released = []
+    prefix = f"{PREFIX}:holder:"
+    for key in client.scan_iter(f"{prefix}*"):
+        record = client.get(key)
+        if record is None:
+            continue
+        job_id, _, holder = record.decode(errors="replace").partition(" ")
+        if not holder_dead(holder):
+            continue
+        lineage = key.decode(errors="replace").removeprefix(prefix)
+        marker, _ = _marker_keys(lineage)
+        lease = f"{PREFIX}:lease:{lineage}"
+        if client.eval(_RELEASE_DEAD, 3, key, marker, lease, record, job_id, f"{holder}/"):
+            log.warning(
+                "%s: released job %s, whose holder (%s) died on this host", lineage, job_id, holder
+            )
+            released.append((lineage, job_id))
+    return released
 
 
 def request_cancel(client: redis.Redis, lineage: str, run_id: str, ttl_seconds: int) -> None:

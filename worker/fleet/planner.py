@@ -5,7 +5,8 @@ generation of a lineage is in flight, and sending the next job (through a ``send
 callable, so the rules run without Celery). The pure rules of a run (its progress,
 why it stopped, its next job) are ``worker.fleet.runs``. Both the worker (right after a generation
 lands) and the reconciler (after a lost message, a Redis restart or a dead worker)
-plan through ``Planner.enqueue``; a duplicate it may cause is harmless. A store
+plan through ``Planner.enqueue``; a duplicate it may cause is harmless. What the
+reconciler enqueues was lost to a fault, so it is sent to the front of its queue. A store
 outage does not stop a reconcile pass: each lineage whose record cannot be read is
 skipped, and the outage is logged once when it starts and once when it ends.
 
@@ -44,7 +45,8 @@ from worker.instrument.names import BRANCH_PREFIX
 from worker.instrument.records import LineageIndex
 from worker.instrument.store import ObservationStore, StoreUnavailable
 
-Send = Callable[[GenerationJob, str, str, int], None]
+# (job, job id, queue, hard time limit, first: ahead of every job already queued)
+Send = Callable[[GenerationJob, str, str, int, bool], None]
 log = logging.getLogger("ouroboros.reconcile")
 
 
@@ -195,8 +197,11 @@ class Planner:
                 f"{self.settings.visibility_timeout_seconds}; raise that setting on every host"
             )
 
-    def submit(self, job: GenerationJob) -> bool:
-        """Claim the lineage's in-flight slot and send ``job`` to its instrument's queue."""
+    def submit(self, job: GenerationJob, *, first: bool = False) -> bool:
+        """Claim the lineage's in-flight slot and send ``job`` to its instrument's queue.
+
+        first: at the front of the queue, ahead of every job already waiting there.
+        """
         meta = root_metadata(self.cache, job.expected_commit, job.lineage)
         self.require_deliverable(meta)
         job_id = f"{job.lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
@@ -204,10 +209,12 @@ class Planner:
             self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds
         ):
             return False
-        self.send(job, job_id, queue_of(meta), hard_time_limit(meta))
+        self.send(job, job_id, queue_of(meta), hard_time_limit(meta), first)
         return True
 
-    def enqueue(self, lineage: str, job: GenerationJob | None = None) -> GenerationJob | None:
+    def enqueue(
+        self, lineage: str, job: GenerationJob | None = None, *, first: bool = False
+    ) -> GenerationJob | None:
         """Enqueue ``job`` (or the planned next one) unless one is in flight or blocked."""
         if (
             leases.in_flight(self.client, lineage)
@@ -216,15 +223,19 @@ class Planner:
         ):
             return None
         job = job or self.plan(lineage)
-        return job if job is not None and self.submit(job) else None
+        return job if job is not None and self.submit(job, first=first) else None
 
     def reconcile(self) -> list[str]:
-        """Enqueue every lineage whose run wants more and has nothing in flight."""
+        """Enqueue every lineage whose run wants more and has nothing in flight.
+
+        Each such job was lost to a fault (a dead worker, a lost message, Redis without
+        its data): it goes to the front of its queue.
+        """
         enqueued: list[str] = []
         failure: StoreUnavailable | None = None
         for lineage in self.lineages():
             try:
-                if self.enqueue(lineage) is not None:
+                if self.enqueue(lineage, first=True) is not None:
                     enqueued.append(lineage)
             except StoreUnavailable as exc:
                 failure = exc  # the others may not need the store: go on with them

@@ -7,9 +7,12 @@ control queue), the generation task (validate the payload, hold the lineage's le
 while the pipeline runs, then plan what comes next), the reconcile task that beat
 schedules, the start-up preflight (a working ceiling, the spool drained), the freeze
 of the parent's objects before the pool forks (so the pool children share their
-pages), and the main process's watch over what it holds: the markers of the jobs it has fetched
-(renewed every third of ``lease_seconds`` until each job ends, so a worker killed
-before its pool child starts a job is noticed within ``lease_seconds``) and the
+pages), and the main process's watch over what it holds: the markers of the jobs it
+has fetched (renewed every third of ``lease_seconds`` until each job ends, so a
+worker killed before its pool child starts a job is noticed within
+``lease_seconds``), the jobs whose holder died on this host (released every
+``SWEEP_SECONDS``, so the worker restarted after a kill, or any other on the host,
+frees its predecessor's work at once for the reconciler to re-enqueue) and the
 observation store (probed with every spool retry; its outages are logged once when
 they start and once when they end).
 
@@ -21,6 +24,7 @@ either way the worker serves on.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
@@ -59,6 +63,9 @@ from worker.instrument.pipeline import Pipeline
 from worker.instrument.store import StoreUnavailable
 
 BLOCKED_SECONDS = 300
+# How often a worker looks for jobs whose holder died on its host: a few cheap Redis
+# calls, against a lineage otherwise stalled until its marker and lease expire.
+SWEEP_SECONDS = 1.0
 
 log = logging.getLogger("ouroboros.worker")
 
@@ -162,9 +169,9 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             target=_drain_forever, args=(pipeline, settings), name="spool-drain", daemon=True
         ).start()
         threading.Thread(
-            target=_keep_fetched_markers,
+            target=_watch_markers,
             args=(fetched, main_client, settings.lease_seconds),
-            name="fetched-markers",
+            name="markers",
             daemon=True,
         ).start()
 
@@ -246,12 +253,23 @@ def _keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: in
         log.warning("%s: could not renew the marker of %s (%s)", lineage, job_id, exc)
 
 
-def _keep_fetched_markers(
+def _watch_markers(
     fetched: dict[str, str], client: Callable[[], redis.Redis], ttl_seconds: int
 ) -> None:
-    """Renew the marker of every job this process still holds; forget the finished ones."""
+    """Release the jobs of dead holders on this host; renew the markers of those fetched here.
+
+    The marker of every job this process still holds is renewed every third of
+    ``ttl_seconds``; a finished one is forgotten.
+    """
+    renewed = time.monotonic()
     while True:
-        time.sleep(ttl_seconds / 3)
+        time.sleep(SWEEP_SECONDS)
+        # The broker away: nothing to release now, and the renewals below log it.
+        with contextlib.suppress(redis.RedisError):
+            leases.release_dead_holders(client())
+        if time.monotonic() - renewed < ttl_seconds / 3:
+            continue
+        renewed = time.monotonic()
         held = {request.id for request in list(worker_state.reserved_requests)}
         for job_id, lineage in list(fetched.items()):
             if job_id in held:

@@ -14,7 +14,9 @@ It also keeps a broker loss from stopping the worker later: kombu acknowledges,
 rejects or restores a message through the channel it came on even after that channel's
 connection is gone, and raises ``AttributeError`` out of the consumer (a kombu bug
 known since 3.x). ``ClosingQoS`` leaves such a message in Redis's ``unacked`` set,
-where the visibility timeout returns it (stale by then).
+where the visibility timeout returns it (stale by then). A message requeued because
+its pool child died goes back to the front of its queue, not behind every job queued
+since: it is a recovery, like the reconciler's jobs (``worker.fleet.app``).
 
 Trusts: nothing in a message. Its settings come from the worker's transport options.
 """
@@ -31,6 +33,7 @@ from typing import Any, ClassVar, Literal
 from celery.app.amqp import AMQP
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -118,7 +121,8 @@ def _body_problem(body: str) -> str | None:
 
 
 class ClosingQoS(kombu_redis.QoS):
-    """kombu's Redis QoS, which does not reach for a broker connection that is already gone.
+    """kombu's Redis QoS, which does not reach for a broker connection that is already gone,
+    and requeues a rejected message at the front of its queue.
 
     A life that lands after the connection it was delivered on dropped is acknowledged
     (or requeued) through that dead channel; kombu then raises ``AttributeError`` out of
@@ -154,7 +158,12 @@ class ClosingQoS(kombu_redis.QoS):
         if self._gone(f"reject message {delivery_tag}"):
             self._quick_ack(delivery_tag)
             return
-        super().reject(delivery_tag, requeue=requeue)
+        if not requeue:
+            super().reject(delivery_tag)
+            return
+        # kombu requeues at the end BRPOP reaches last (leftmost); the front is the other.
+        self.restore_by_tag(delivery_tag, leftmost=False)
+        virtual.QoS.ack(self, delivery_tag)
 
 
 class ScreeningChannel(kombu_redis.Channel):
