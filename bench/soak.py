@@ -421,11 +421,19 @@ class Soak:
             found[int(key.rsplit("/", 1)[1].split(".")[0])] = json.loads(body)
         return found
 
+    def spool_entries(self) -> int:
+        """Files left in the spool: pending publications, or temp files of killed saves."""
+        spool = self.root / ".ouroboros" / "state" / "spool"
+        return sum(1 for p in spool.rglob("*") if p.is_file()) if spool.exists() else 0
+
     def settle(self) -> None:
-        """Wait for every observation to land, then stop the fleet."""
+        """Wait for every observation to land and the spool to drain, then stop the fleet."""
         with contextlib.suppress(AssertionError):
             wait_for(
-                lambda: all(len(self.observation_keys(n)) >= self.target for n in self.lineages),
+                lambda: (
+                    all(len(self.observation_keys(n)) >= self.target for n in self.lineages)
+                    and not self.spool_entries()
+                ),
                 300,
                 "the spool to drain",
                 2,
@@ -505,10 +513,7 @@ class Soak:
                 None,
             ):
                 problems.append(f"{name}: status says {row}")
-        spool = self.root / ".ouroboros" / "state" / "spool"
-        counts["spool entries"] = (
-            sum(1 for p in spool.rglob("*") if p.is_file()) if spool.exists() else 0
-        )
+        counts["spool entries"] = self.spool_entries()
         counts["leftover processes"] = len(self.leftover_processes())
         counts["leftover cgroups"] = len(self.leftover_cgroups())
         counts["worker exits"] = self.unexpected_exits

@@ -77,6 +77,11 @@ def watch(
         tasks = {}
         while True:
             statuses = [fleet.status(name, workers) for name in names]
+            if any(s.lineage in unserved_since and not (s.waiting or s.workers) for s in statuses):
+                # It stopped waiting since the workers were last asked (its generation may
+                # even have landed already): ask now, so the line names who serves it.
+                workers, checked = fleet.workers(), time.monotonic()
+                statuses = [fleet.status(name, workers) for name in names]
             now = time.monotonic()
             for status in statuses:
                 if status.lineage not in tasks:

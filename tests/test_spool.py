@@ -16,6 +16,7 @@ from worker.fleet.settings import Settings
 from worker.instrument.index import add, read_index, segment_keys
 from worker.instrument.job import GenerationJob
 from worker.instrument.records import Observation
+from worker.instrument.spool import ORPHAN_SECONDS, TEMP_PREFIX
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -64,6 +65,27 @@ def test_crash_after_the_checkpoint_is_finished_by_the_next_worker(
     assert observation["lineage_commit"] == fleet.git("rev-parse", "lineage-phoenix").strip()
     assert not list((tmp_path / ".ouroboros/state/spool").glob("*.json"))
     assert [e.generation for e in read_index(restarted.store, "phoenix").generations] == [1]
+
+
+def test_the_temp_file_of_a_save_killed_mid_write_is_swept_by_the_next_drain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGKILL runs no handler: a worker killed between mkstemp and the rename leaves its
+    # temp file behind, and nothing else would ever remove it.
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "tidy", *SMALL_PHYSICS)
+    monkeypatch.chdir(tmp_path)
+    pipeline = build_pipeline(settings_for(fleet))
+    spool = tmp_path / ".ouroboros/state/spool"
+    orphan, writing = spool / f"{TEMP_PREFIX}orphan", spool / f"{TEMP_PREFIX}writing"
+    orphan.write_bytes(b'{"lineage": "tidy", "gener')
+    writing.write_bytes(b"{")
+    old = time.time() - ORPHAN_SECONDS - 1
+    os.utime(orphan, (old, old))
+    assert pipeline.drain() == 0
+    assert not orphan.exists()
+    # A save still being written (any younger one) is left to its writer.
+    assert writing.exists()
 
 
 def test_a_checkpoint_whose_push_lost_the_race_is_discarded_not_published(

@@ -333,6 +333,7 @@ class Pipeline:
 
     def drain(self, lineage: str | None = None) -> int:
         """Finish every pending publication (of one lineage); how many remain pending."""
+        self.spool.sweep_orphans()
         pending = self.spool.pending(lineage)
         for done, publication in enumerate(pending):
             try:

@@ -7,21 +7,29 @@ entry's stage; the entry is removed only when the commit is on the shared branch
 (or provably never will be) and the observation is stored. A worker restarted after
 a crash at any point, or an object store that was down, finishes the work from
 here: no committed generation or observation is lost, and a result whose push lost
-the compare-and-swap is discarded, never published.
+the compare-and-swap is discarded, never published. The temp file of a save killed
+mid-write is swept by the next drain once it is a minute old.
 
 Trusts: the local filesystem it owns (``<state>/spool``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 Stage = Literal["push", "observe"]
+# A save takes milliseconds; a temp file this old was left by a process killed mid-save.
+# Removing it cannot lose a generation: a save comes before the push, and a writer that
+# somehow still held it would fail its rename and publish nothing.
+ORPHAN_SECONDS = 60.0
+TEMP_PREFIX = ".pending-"
 
 
 class Publication(BaseModel):
@@ -51,7 +59,7 @@ class Spool:
 
     def save(self, publication: Publication) -> None:
         target = self._path(publication)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".pending-")
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=TEMP_PREFIX)
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(publication.model_dump_json().encode())
@@ -79,6 +87,17 @@ class Spool:
             except FileNotFoundError:
                 continue  # finished by another process of this worker meanwhile
         return [entry for entry in entries if lineage is None or entry.lineage == lineage]
+
+    def sweep_orphans(self, now: float | None = None) -> int:
+        """Remove the temp files of saves killed mid-write; how many were removed."""
+        cutoff = (time.time() if now is None else now) - ORPHAN_SECONDS
+        removed = 0
+        for path in self.root.glob(f"{TEMP_PREFIX}*"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.lstat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+        return removed
 
     def _sync_dir(self) -> None:
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
