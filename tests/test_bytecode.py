@@ -175,3 +175,18 @@ def test_without_a_home_nothing_is_read_or_written(copy: Path) -> None:
     assert done.stdout.splitlines()[0].startswith(str(scratch / "ouroboros-no-bytecode-"))
     assert not list(scratch.iterdir()), "the throw-away cache is removed at exit"
     assert [p.name for p in pycs(copy)] == [f"__init__.{sys.implementation.cache_tag}.pyc"]
+
+
+@pytest.mark.root
+def test_a_cache_reached_through_a_symlink_is_checked_where_it_lies(copy: Path) -> None:
+    # This user's own directory, but inside one another uid owns: that uid may swap it.
+    foreign = copy.parent / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)
+    (foreign / "mine").mkdir(mode=0o700)
+    link = copy.parent / "link"
+    link.symlink_to(foreign / "mine")
+    done = python(copy, "import worker", PYTHONPYCACHEPREFIX=str(link / "cache"))
+    assert done.returncode == 2, done.stderr
+    assert f"lies under {foreign} (uid 65534" in done.stderr
+    assert "Traceback" not in done.stderr

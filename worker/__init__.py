@@ -77,6 +77,9 @@ def _private_cache() -> Path | None:
             return None
     try:
         cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Checked where it really lies: reached through a symlinked ancestor, the
+        # directories that really hold it (and could swap it) would go unchecked.
+        cache = Path(os.path.realpath(cache.parent)) / cache.name
         found = os.lstat(cache)
     except OSError as error:
         _refuse(f"cannot create the bytecode cache {cache}: {error.strerror}")
