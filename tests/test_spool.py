@@ -16,7 +16,7 @@ from worker.fleet.settings import Settings
 from worker.instrument.index import add, read_index, segment_keys
 from worker.instrument.job import GenerationJob
 from worker.instrument.records import Observation
-from worker.instrument.spool import ORPHAN_SECONDS, TEMP_PREFIX
+from worker.instrument.spool import ORPHAN_SECONDS, TEMP_PREFIX, Spool
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -150,3 +150,15 @@ def test_concurrent_index_writers_lose_no_entry(
     for writer in writers:
         writer.join()
     assert [e.generation for e in read_index(pipeline.store, "racer").generations] == [1, 2]
+
+
+def test_a_directory_among_the_temp_names_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    stray, orphan = spool.root / f"{TEMP_PREFIX}stray", spool.root / f"{TEMP_PREFIX}orphan"
+    stray.mkdir()
+    orphan.write_bytes(b"{")
+    old = time.time() - ORPHAN_SECONDS - 1
+    for path in (stray, orphan):
+        os.utime(path, (old, old))
+    assert spool.sweep_orphans() == 1
+    assert stray.is_dir() and not orphan.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -94,7 +95,10 @@ class Spool:
         removed = 0
         for path in self.root.glob(f"{TEMP_PREFIX}*"):
             with contextlib.suppress(FileNotFoundError):
-                if path.lstat().st_mtime < cutoff:
+                found = path.lstat()
+                # A save leaves a file; a directory here is not one (unlink would raise
+                # at every drain, and no publication of this host would land again).
+                if found.st_mtime < cutoff and not stat.S_ISDIR(found.st_mode):
                     path.unlink()
                     removed += 1
         return removed
