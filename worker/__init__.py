@@ -10,7 +10,9 @@ fingerprinted by its source bytes, so the code that runs must provably be compil
 from exactly those bytes:
 
 * bytecode is never read from or written next to the sources (a ``__pycache__``
-  planted or left stale in a checkout or a release is ignored): ``sys.pycache_prefix``
+  planted or left stale in a checkout or a release is ignored), except for the one
+  ``__init__`` Python imports before this code can run (see the limits below):
+  ``sys.pycache_prefix``
   is set to a private directory, ``PYTHONPYCACHEPREFIX`` if the launcher set one, else
   ``~/.cache/ouroboros-fleet/pycache``. Private means a real directory owned by this
   user, written by nobody else, under ancestors only this user or root can change
@@ -32,6 +34,15 @@ the cache whatever ``PYTHONDONTWRITEBYTECODE`` or ``-B`` said: what they are for
 site-packages are no longer read, so not writing would mean compiling every package
 at every start. A user without a home to keep the cache in (a uid with no account)
 gets an empty private directory for the process instead: nothing read, nothing written.
+
+Limits, because this check is itself imported code: the package's own ``__init__``
+(this file, or ``scheduler/__init__.py`` for the CLI) is loaded by Python before any
+of this runs. With ``PYTHONPYCACHEPREFIX`` unset its pyc is looked for beside the
+source, where only someone who can already edit the sources can put one; with it set,
+in the cache it names, where a pyc planted *before* the cache was found unsafe would
+still run once. So the check refuses a cache that could be tampered with; it cannot
+undo a tampering that came first. The launchers name a cache inside the account's
+own home, which nobody else can write.
 
 Trusts: the interpreter, and its user's own home (or ``PYTHONPYCACHEPREFIX``).
 """
