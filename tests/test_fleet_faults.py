@@ -93,6 +93,22 @@ def patient_fleet(tmp_path: Path, redis_url: str) -> Fleet:
     )
 
 
+def heir_releases(fleet: Fleet, workers: list[Worker], lineage: str, timeout: float) -> None:
+    """A worker restarted on the dead one's host, and a reconciler: ``lineage`` lands its
+    generation 1 far within the 600 s marker and lease, because the heir saw its
+    predecessor dead and released its job."""
+    heir = start(fleet, workers, "heir")
+    reconciler = background(fleet, "reconcile", "--loop")
+    try:
+        wait_for(lambda: generations(fleet, lineage), timeout, "generation 1")
+        wait_for(lambda: fleet.observation_numbers(lineage) == [1], 60, "its observation")
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+    assert_linear(fleet, lineage, 1)
+    assert f"released job {lineage}." in heir.text()
+
+
 def test_a_job_fetched_by_a_killed_worker_is_released_by_the_worker_restarted_on_its_host(
     tmp_path: Path, redis_url: str, workers: list[Worker]
 ) -> None:
@@ -107,17 +123,7 @@ def test_a_job_fetched_by_a_killed_worker_is_released_by_the_worker_restarted_on
     record = wait_for(lambda: client.get(holder), 60, "the fetcher to hold the job's marker")
     assert f":{victim.process.pid}:" in record.decode()
     victim.kill()
-    heir = start(fleet, workers, "heir")
-    reconciler = background(fleet, "reconcile", "--loop")
-    try:
-        # Far within the marker's 600 s: the heir saw its predecessor dead and released it.
-        wait_for(lambda: generations(fleet, "fetched"), 120, "generation 1")
-        wait_for(lambda: fleet.observation_numbers("fetched") == [1], 60, "its observation")
-    finally:
-        reconciler.kill()
-        reconciler.wait()
-    assert_linear(fleet, "fetched", 1)
-    assert "released job fetched." in heir.text()
+    heir_releases(fleet, workers, "fetched", 120)
 
 
 def test_a_life_whose_whole_worker_was_killed_is_released_by_the_worker_restarted_on_its_host(
@@ -134,16 +140,7 @@ def test_a_life_whose_whole_worker_was_killed_is_released_by_the_worker_restarte
     assert f":{child}:" in token.decode()
     # Main process and pool child at once: no redelivery can come, only the 600 s lease.
     victim.kill()
-    heir = start(fleet, workers, "heir")
-    reconciler = background(fleet, "reconcile", "--loop")
-    try:
-        wait_for(lambda: generations(fleet, "felled"), 180, "generation 1")
-        wait_for(lambda: fleet.observation_numbers("felled") == [1], 60, "its observation")
-    finally:
-        reconciler.kill()
-        reconciler.wait()
-    assert_linear(fleet, "felled", 1)
-    assert "released job felled." in heir.text()
+    heir_releases(fleet, workers, "felled", 180)
 
 
 def test_a_killed_pool_child_is_recovered_by_its_redelivery(
