@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from lineage_support import PrivateRedis
 
+from scheduler.cli.lineages import until_next_pass
 from worker.fleet import leases
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
@@ -631,3 +633,91 @@ def test_leaving_removes_the_holder_record_with_the_marker(
         record = client.get(f"{leases.PREFIX}:holder:{name}")
         assert record == f"job-1 {leases.holder_name()}".encode()
     assert not client.exists(f"{leases.PREFIX}:holder:{name}")
+
+
+# -- commands a worker may repeat through a broker restart ----------------------------------
+
+
+def test_a_repeated_claim_of_the_in_flight_slot_by_the_same_job_succeeds_and_no_other_does(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    # A worker's client repeats a command whose reply a broker restart lost: the claim
+    # it had made must read as made, not as another job's.
+    name = unique("claimed")
+    assert leases.mark_in_flight(client, name, "job-1", 60)
+    assert leases.mark_in_flight(client, name, "job-1", 600)
+    assert 60 < client.ttl(f"{leases.PREFIX}:inflight:{name}") <= 600
+    assert not leases.mark_in_flight(client, name, "job-2", 600)
+    assert leases.in_flight(client, name) == "job-1"
+
+
+def test_a_lease_whose_taking_reply_was_lost_is_held_by_its_taker(
+    client: redis.Redis, unique: Callable[[str], str]
+) -> None:
+    name = unique("retaken")
+    lease = leases.Lease(client, name, 30)
+    client.set(lease.key, lease.token, ex=30)  # the first SET landed; its reply did not
+    assert lease.acquire()
+    assert not leases.Lease(client, name, 30).acquire()
+
+
+def test_a_job_is_claimed_for_a_lease_until_it_is_sent_then_for_the_in_flight_ttl(
+    rig: Rig,
+) -> None:
+    name, _ = rig.lineage("sending")
+    rig.run(name, 3)
+    marker = f"{leases.PREFIX}:inflight:{name}"
+    seen: list[int] = []
+
+    def failing_send(*_: object) -> None:
+        seen.append(rig.client.ttl(marker))
+        raise redis.ConnectionError("the broker went away mid-send")
+
+    rig.planner.send = failing_send
+    with pytest.raises(redis.ConnectionError):
+        rig.planner.enqueue(name)
+    lease = rig.planner.settings.lease_seconds
+    # A send that fails leaves a claim that expires within a lease, not in an hour.
+    assert 0 < seen[0] <= lease
+    assert 0 < rig.client.ttl(marker) <= lease
+    rig.client.delete(marker)
+    rig.planner.send = rig.sent
+    assert rig.planner.enqueue(name) is not None
+    assert lease < rig.client.ttl(marker) <= rig.planner.settings.inflight_ttl_seconds
+
+
+def test_a_workers_redis_client_waits_out_a_broker_restart(tmp_path: Path) -> None:
+    server = PrivateRedis(tmp_path / "redis", appendonly=False)
+    try:
+        settings = Settings(home=tmp_path / "home", broker_url=server.url)
+        patient = leases.redis_client(settings, outlast_restart=True)
+        hasty = leases.redis_client(settings)
+        patient.set("k", "1")
+        server.kill()
+        with pytest.raises(redis.ConnectionError):
+            hasty.get("k")
+        threading.Timer(1.5, server.start).start()
+        patient.set("k", "2")  # retried until the broker is back
+        assert hasty.get("k") == b"2"
+    finally:
+        server.stop()
+
+
+def test_the_reconcile_loop_passes_at_once_when_the_broker_is_back_from_a_restart(
+    tmp_path: Path,
+) -> None:
+    server = PrivateRedis(tmp_path / "redis", appendonly=False)
+    try:
+        client = redis.Redis.from_url(server.url)
+        returned = threading.Event()
+        waiting = threading.Thread(target=lambda: (until_next_pass(client, 600), returned.set()))
+        waiting.start()
+        server.kill()
+        time.sleep(1)
+        assert not returned.is_set()
+        server.start()
+        # Its data may be gone with every queued job: the next pass comes now, not in 600 s.
+        assert returned.wait(60)
+        waiting.join()
+    finally:
+        server.stop()

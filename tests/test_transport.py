@@ -13,7 +13,8 @@ import json
 import pytest
 import redis
 from kombu import Connection, Producer
-from lineage_support import task_envelope
+from kombu.exceptions import OperationalError
+from lineage_support import free_port, task_envelope
 
 from worker.fleet.app import GENERATION_TASK, RECONCILE_TASK, client_app, sender
 from worker.fleet.settings import Settings
@@ -126,3 +127,15 @@ def test_a_broadcast_is_checked_for_its_envelope_only() -> None:
     control = task_envelope("anything", {"method": "ping"})
     assert envelope_problem(control, tasks=None) is None
     assert envelope_problem({"method": "ping"}, tasks=None) is not None
+
+
+def test_the_worker_reconnects_to_a_restarted_broker_within_a_fraction_of_a_second() -> None:
+    # kombu's own pacing waits 2 s after the first refusal, then 4, 6, ... up to 30: every
+    # second of it a second in which no life starts after a Redis restart.
+    waits: list[float] = []
+    nowhere = ScreeningConnection(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(OperationalError):
+        nowhere.ensure_connection(lambda _exc, wait: waits.append(wait), max_retries=4)
+    assert len(waits) == 4
+    assert waits[0] <= 0.25
+    assert max(waits) <= 2.0

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from pydantic import ValidationError
@@ -41,6 +41,9 @@ from worker.instrument.model.catalogue import require_known
 from worker.instrument.model.providers import make_provider
 from worker.instrument.physics import Physics
 from worker.instrument.store import StoreUnavailable
+
+if TYPE_CHECKING:
+    import redis
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -306,4 +309,32 @@ def reconcile(loop: bool) -> None:
         else:
             if enqueued:
                 console.print(f"reconcile: enqueued {', '.join(enqueued)}", highlight=False)
-        time.sleep(settings.reconcile_interval_seconds)
+        until_next_pass(fleet.planner.client, settings.reconcile_interval_seconds)
+
+
+# How often the loop asks the broker whether it restarted, between two passes.
+RESTART_CHECK_SECONDS = 0.5
+
+
+def until_next_pass(client: redis.Redis, interval: float) -> None:
+    """Wait ``interval`` seconds, or only until the broker is back from a restart.
+
+    A Redis that restarted (its run id changed, or it did not answer and now does) may
+    have lost every queued job and in-flight marker: the lineages they stood for wait
+    for the next pass, so it comes at once.
+    """
+    import redis
+
+    def run_id() -> str | None:
+        try:
+            return str(client.info("server")["run_id"])
+        except redis.RedisError:
+            return None
+
+    deadline = time.monotonic() + interval
+    seen = run_id()
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(RESTART_CHECK_SECONDS, left))
+        now = run_id()
+        if now is not None and now != seen:
+            return

@@ -34,19 +34,35 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from worker.fleet.settings import Settings
 
 PREFIX = "ouroboros"
 log = logging.getLogger("ouroboros.worker")
+# A worker's commands wait out a broker restart (about 12 s of retries): a life that
+# lands while Redis restarts still releases its lease and sends its follow-up, instead
+# of leaving its lineage to the lease's expiry and the reconciler's next pass.
+OUTLAST_RESTART = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=15)
 
 
-def redis_client(settings: Settings) -> redis.Redis:
-    """A client for the broker's Redis (kombu's ``redis+socket://`` is redis-py's ``unix://``)."""
+def redis_client(settings: Settings, *, outlast_restart: bool = False) -> redis.Redis:
+    """A client for the broker's Redis (kombu's ``redis+socket://`` is redis-py's ``unix://``).
+
+    outlast_restart: retry each command through a broker restart (the worker's
+    clients). Every command sent through such a client must be safe to repeat: a
+    command whose reply was lost may have been applied.
+    """
     url = settings.broker
     if url.startswith("redis+socket://"):
         url = "unix://" + url.removeprefix("redis+socket://")
-    return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+    retry = (
+        {"retry": OUTLAST_RESTART, "retry_on_error": [redis.exceptions.BusyLoadingError]}
+        if outlast_restart
+        else {}
+    )
+    return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, **retry)
 
 
 def _start_time(pid: int) -> str | None:
@@ -109,6 +125,8 @@ class Lease:
         if self.client.set(self.key, self.token, nx=True, ex=self.ttl):
             return True
         current = self.client.get(self.key)
+        if current == self.token.encode():
+            return True  # a retried SET whose first reply was lost had taken it
         if current is None or not holder_dead(current.decode(errors="replace")):
             return False
         if not self.client.eval(self._TAKE_OVER, 1, self.key, current, self.token, self.ttl):
@@ -181,9 +199,20 @@ def lease_held(client: redis.Redis, lineage: str) -> bool:
     return bool(client.exists(f"{PREFIX}:lease:{lineage}"))
 
 
+_MARK = (
+    "if redis.call('set', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 1 end "
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "redis.call('expire', KEYS[1], ARGV[2]) return 1 end return 0"
+)
+
+
 def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> bool:
-    """Claim the lineage's single in-flight slot for ``job_id``; False if already taken."""
-    return bool(client.set(f"{PREFIX}:inflight:{lineage}", job_id, nx=True, ex=ttl_seconds))
+    """Claim the lineage's single in-flight slot for ``job_id``; False if another job has it.
+
+    Repeating it for the same ``job_id`` succeeds again and sets the expiry anew (a
+    retried command, or the claim made long once the job is sent).
+    """
+    return bool(client.eval(_MARK, 1, f"{PREFIX}:inflight:{lineage}", job_id, ttl_seconds))
 
 
 def _marker_keys(lineage: str) -> tuple[str, str]:

@@ -205,11 +205,13 @@ class Planner:
         meta = root_metadata(self.cache, job.expected_commit, job.lineage)
         self.require_deliverable(meta)
         job_id = f"{job.lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
-        if not leases.mark_in_flight(
-            self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds
-        ):
+        # Claimed for a lease's time until the job is surely queued: a send that fails
+        # (the broker gone between the two) leaves a claim that expires within
+        # lease_seconds, not one that keeps the reconciler away for inflight_ttl_seconds.
+        if not leases.mark_in_flight(self.client, job.lineage, job_id, self.settings.lease_seconds):
             return False
         self.send(job, job_id, queue_of(meta), hard_time_limit(meta), first)
+        leases.mark_in_flight(self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds)
         return True
 
     def enqueue(

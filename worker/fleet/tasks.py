@@ -12,9 +12,11 @@ has fetched (renewed every third of ``lease_seconds`` until each job ends, so a
 worker killed before its pool child starts a job is noticed within
 ``lease_seconds``), the jobs whose holder died on this host (released every
 ``SWEEP_SECONDS``, so the worker restarted after a kill, or any other on the host,
-frees its predecessor's work at once for the reconciler to re-enqueue) and the
-observation store (probed with every spool retry; its outages are logged once when
-they start and once when they end).
+frees its predecessor's work and re-enqueues it at once, at the front of its queue)
+and the observation store (probed with every spool retry; its outages are logged once
+when they start and once when they end). Its Redis clients and its sends wait out a
+broker restart (``leases.OUTLAST_RESTART``, ``PUBLISH_RETRY``): a life that lands
+while Redis restarts releases its lease and sends its follow-up once Redis is back.
 
 Trusts: its settings, its instrument and the broker. Trusts no message: the transport
 (``worker.fleet.transport``) drops whatever is not a JSON Celery message of a task this
@@ -58,6 +60,7 @@ from worker.fleet.settings import Settings
 from worker.fleet.transport import ScreeningAMQP
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
+from worker.instrument.gitrepo import GitError
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.pipeline import Pipeline
 from worker.instrument.store import StoreUnavailable
@@ -66,6 +69,9 @@ BLOCKED_SECONDS = 300
 # How often a worker looks for jobs whose holder died on its host: a few cheap Redis
 # calls, against a lineage otherwise stalled until its marker and lease expire.
 SWEEP_SECONDS = 1.0
+# A worker's sends (follow-ups, recoveries) wait out a broker restart as its Redis
+# clients do (about 12 s); Celery's default gives up after 0.6 s.
+PUBLISH_RETRY = {"max_retries": 14, "interval_start": 0, "interval_step": 0.25, "interval_max": 1}
 
 log = logging.getLogger("ouroboros.worker")
 
@@ -73,6 +79,7 @@ log = logging.getLogger("ouroboros.worker")
 def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     """The app of a sandbox host: its tasks, its queues and its start-up, for ``instrument``."""
     app = client_app(settings, amqp=ScreeningAMQP)
+    app.conf.task_publish_retry_policy = PUBLISH_RETRY
     serve(app, instrument.queue)
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
@@ -83,14 +90,25 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     @cache
     def main_client() -> redis.Redis:
         # The main process's own client; pool children never use it (they fork first).
-        return leases.redis_client(settings)
+        return leases.redis_client(settings, outlast_restart=True)
 
     @cache
     def child_client() -> redis.Redis:
         # A pool child's own client, kept for all its jobs: a client per job opened new
         # connections every time, and redis-py reads its package metadata for each one
         # (about 15 ms of CPU per generation, bench/bench_parallel.py).
-        return leases.redis_client(settings)
+        return leases.redis_client(settings, outlast_restart=True)
+
+    @cache
+    def main_planner() -> Planner:
+        # The main process's own, for the jobs it releases; pool children never use it.
+        return Planner(
+            settings=settings,
+            store=observation_store(settings),
+            cache=lineage_cache(settings),
+            client=main_client(),
+            send=sender(app),
+        )
 
     @cache
     def pipeline() -> Pipeline:
@@ -170,7 +188,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         ).start()
         threading.Thread(
             target=_watch_markers,
-            args=(fetched, main_client, settings.lease_seconds),
+            args=(fetched, main_client, main_planner, settings.lease_seconds),
             name="markers",
             daemon=True,
         ).start()
@@ -254,9 +272,13 @@ def _keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: in
 
 
 def _watch_markers(
-    fetched: dict[str, str], client: Callable[[], redis.Redis], ttl_seconds: int
+    fetched: dict[str, str],
+    client: Callable[[], redis.Redis],
+    planner: Callable[[], Planner],
+    ttl_seconds: int,
 ) -> None:
-    """Release the jobs of dead holders on this host; renew the markers of those fetched here.
+    """Release and re-enqueue the jobs of dead holders on this host; renew the markers
+    of those fetched here.
 
     The marker of every job this process still holds is renewed every third of
     ``ttl_seconds``; a finished one is forgotten.
@@ -264,9 +286,12 @@ def _watch_markers(
     renewed = time.monotonic()
     while True:
         time.sleep(SWEEP_SECONDS)
+        released: list[tuple[str, str]] = []
         # The broker away: nothing to release now, and the renewals below log it.
         with contextlib.suppress(redis.RedisError):
-            leases.release_dead_holders(client())
+            released = leases.release_dead_holders(client())
+        for lineage, _job_id in released:
+            _recover(planner, lineage)
         if time.monotonic() - renewed < ttl_seconds / 3:
             continue
         renewed = time.monotonic()
@@ -276,6 +301,19 @@ def _watch_markers(
                 _keep_marker(client(), lineage, job_id, ttl_seconds)
             else:
                 fetched.pop(job_id, None)
+
+
+def _recover(planner: Callable[[], Planner], lineage: str) -> None:
+    """Enqueue a released lineage's next job now, at the front of its queue.
+
+    The reconciler would, at its next pass; a duplicate of the dead holder's message,
+    should the broker return it later, is harmlessly stale or busy.
+    """
+    try:
+        if planner().enqueue(lineage, first=True) is not None:
+            log.info("%s: re-enqueued after its holder died", lineage)
+    except (StoreUnavailable, redis.RedisError, OperationalError, GitError, Refusal) as exc:
+        log.warning("%s: cannot re-enqueue now (%s); the reconciler will", lineage, exc)
 
 
 def _drain_forever(pipeline: Callable[[], Pipeline], settings: Settings) -> None:
