@@ -591,6 +591,22 @@ def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     assert not client.exists(f"{leases.PREFIX}:holder:{name}")
 
 
+def test_a_holder_that_is_a_zombie_is_dead() -> None:
+    # A killed worker's pool children are zombies until some init reaps them.
+    child = subprocess.Popen(["sleep", "0.2"])
+    try:
+        token = f"{leases.holder_name(child.pid)}/0123"
+        assert not leases.holder_dead(token)
+        stat = Path(f"/proc/{child.pid}/stat")
+        wait_until = time.monotonic() + 60
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < wait_until, "the child never became a zombie"
+            time.sleep(0.05)
+        assert leases.holder_dead(token)
+    finally:
+        child.wait()
+
+
 def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:

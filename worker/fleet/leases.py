@@ -66,13 +66,18 @@ def redis_client(settings: Settings, *, outlast_restart: bool = False) -> redis.
 
 
 def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot, None if it is gone."""
+    """The start time of process ``pid`` in clock ticks since boot, None if it is gone.
+
+    A zombie is gone: a worker killed with its pool stays one until something reaps it,
+    which in a container whose init reaps lazily (or never) may take a long while.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its end.
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _boot_id() -> str:
