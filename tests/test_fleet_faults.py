@@ -139,10 +139,10 @@ def test_a_life_whose_whole_worker_was_killed_is_released_by_the_worker_restarte
     heir_releases(fleet, workers, "felled", 180)
 
 
-def test_a_killed_pool_child_is_recovered_by_its_redelivery(
+def test_a_killed_pool_child_is_recovered_by_its_own_worker(
     tmp_path: Path, redis_url: str, workers: list[Worker]
 ) -> None:
-    # A long lease and no reconciler: only the redelivered copy can land the generation.
+    # A long lease and no reconciler: only the worker whose child died can land it.
     fleet = Fleet(tmp_path, OUROBOROS_BROKER_URL=redis_url, OUROBOROS_LEASE_SECONDS="600")
     seed = seed_file(fleet.home, SLOW.format(seconds=3) + WRITES_STATE)
     fleet.ok("init", "orphan", "--seed", str(seed), *SMALL_PHYSICS)
@@ -153,11 +153,16 @@ def test_a_killed_pool_child_is_recovered_by_its_redelivery(
     (child,) = worker.pool_children()
     assert f":{child}:" in holder.decode()
     os.kill(child, signal.SIGKILL)
-    wait_for(lambda: generations(fleet, "orphan"), 180, "the redelivered copy to land")
+    wait_for(lambda: generations(fleet, "orphan"), 180, "generation 1 to land")
     wait_for(lambda: fleet.observation_numbers("orphan") == [1], 60, "its observation")
     assert_linear(fleet, "orphan", 1)
-    assert "took over the lease of a dead holder" in worker.text()
-    assert fleet.observation("orphan", 1)["provenance"]["attempt"] == 2
+    # Two ways back, whichever comes first: the worker's sweep releases the dead child's
+    # lease and enqueues the lineage's next job, or the message Celery requeues takes the
+    # dead holder's lease over. Either way one life lands, and the other copy finds the
+    # lineage moved on.
+    log = worker.text()
+    assert "released job orphan." in log or "took over the lease of a dead holder" in log
+    wait_for(lambda: "'stale'" in worker.text(), 60, "the other copy to find it stale")
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import redis
@@ -186,9 +187,17 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         threading.Thread(
             target=_drain_forever, args=(pipeline, settings), name="spool-drain", daemon=True
         ).start()
+        # Recoveries read the store and the repository: in a thread of their own, so a
+        # slow store never holds up the sweep and the markers' renewals.
+        recoveries = ThreadPoolExecutor(1, thread_name_prefix="recovery")
         threading.Thread(
             target=_watch_markers,
-            args=(fetched, main_client, main_planner, settings.lease_seconds),
+            args=(
+                fetched,
+                main_client,
+                lambda lineage: recoveries.submit(_recover, main_planner, lineage),
+                settings.lease_seconds,
+            ),
             name="markers",
             daemon=True,
         ).start()
@@ -274,7 +283,7 @@ def _keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: in
 def _watch_markers(
     fetched: dict[str, str],
     client: Callable[[], redis.Redis],
-    planner: Callable[[], Planner],
+    recover: Callable[[str], object],
     ttl_seconds: int,
 ) -> None:
     """Release and re-enqueue the jobs of dead holders on this host; renew the markers
@@ -291,7 +300,7 @@ def _watch_markers(
         with contextlib.suppress(redis.RedisError):
             released = leases.release_dead_holders(client())
         for lineage, _job_id in released:
-            _recover(planner, lineage)
+            recover(lineage)
         if time.monotonic() - renewed < ttl_seconds / 3:
             continue
         renewed = time.monotonic()
