@@ -113,6 +113,10 @@ class Ceiling(ABC):
     def open(self, physics: Physics, label: str) -> Enclosure:
         """Create a scope enforcing ``physics``; raises CeilingError when the host refuses."""
 
+    def placement(self) -> str | None:
+        """Where this driver's scopes live on this host, in words (doctor); None: nothing to add."""
+        return None
+
 
 def scope_name(label: str) -> str:
     """A scope name unique on this host: the label for humans, the creator's pid, a random tag.
