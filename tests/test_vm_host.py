@@ -26,6 +26,10 @@ The guest has no network but its forwarded ssh port; the Python packages come
 built into the image (scripts/vm-image.sh), their installation in a cached layer
 over it (``vm_guest.fleet_layer``), the source is copied in over ssh. It holds
 the machine-wide lock (``machine_to_itself``): TCG needs the machine's cores.
+
+In the same boot, the compose file's worker container as a cgroup-v2 Docker host
+runs it (``vm_container``): in its own cgroup namespace, through the real
+entrypoint, the cgroup2 driver's lives pass the same checks.
 """
 
 from __future__ import annotations
