@@ -22,8 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from worker.instrument.ceilings import CeilingError, cgroup1, select_ceiling
-from worker.instrument.ceilings.base import SCOPE_PARENT, join_command, own_cgroup_dirs
+from worker.instrument.ceilings import CeilingError, cgroup1, cgroup2, select_ceiling
+from worker.instrument.ceilings.base import (
+    SCOPE_PARENT,
+    create_scope_dir,
+    join_command,
+    own_cgroup_dirs,
+)
 from worker.instrument.ceilings.cgroup1 import CONTROLLERS as V1_CONTROLLERS
 from worker.instrument.ceilings.cgroup1 import Cgroup1Ceiling
 from worker.instrument.ceilings.cgroup2 import Cgroup2Ceiling
@@ -385,6 +390,24 @@ def test_cgroup2_open_explains_a_cgroup_that_cannot_delegate(fake_v2: Path) -> N
     (fake_v2 / "cgroup.subtree_control").symlink_to("/proc/version")
     with pytest.raises(CeilingError, match="cannot delegate controllers"):
         Cgroup2Ceiling(fake_v2).open(Physics(), "v2")
+
+
+def test_cgroup2_scope_parent_removed_while_it_is_prepared_is_made_again(
+    fake_v2: Path,
+) -> None:
+    attempts: list[Path] = []
+
+    def closed_meanwhile(base: Path) -> None:
+        # The first time, another scope's close() removes the empty parent just before
+        # its controllers are written: the write fails as it does in cgroupfs.
+        attempts.append(base)
+        if len(attempts) == 1:
+            base.rmdir()
+        cgroup2._delegate(base)
+
+    scope = create_scope_dir(fake_v2, "v2-scope", closed_meanwhile)
+    assert attempts == [fake_v2 / SCOPE_PARENT] * 2
+    assert scope == fake_v2 / SCOPE_PARENT / "v2-scope" and scope.is_dir()
 
 
 # --- cgroup2 in a container's own cgroup namespace, against a stand-in tree ---------------

@@ -196,8 +196,9 @@ def create_scope_dir(
 ) -> Path:
     """Create ``parent/ouroboros/name``; ``prepare`` readies ``parent/ouroboros`` first.
 
-    A concurrent close() may remove an empty ``ouroboros`` between our mkdir calls, so a
-    vanished parent is recreated a few times before giving up.
+    A concurrent close() may remove an empty ``ouroboros`` between our mkdir calls, or
+    while ``prepare`` writes to it, so a vanished parent is recreated a few times before
+    giving up.
     """
     base = parent / SCOPE_PARENT
     for _attempt in range(5):
@@ -208,6 +209,10 @@ def create_scope_dir(
             (base / name).mkdir()
             return base / name
         except FileNotFoundError:
+            continue
+        except CeilingError:
+            if base.exists():
+                raise
             continue
         except OSError as exc:
             raise CeilingError(f"cannot create cgroup {base / name}: {exc}") from exc
