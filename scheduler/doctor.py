@@ -54,12 +54,9 @@ def _attempt(name: str, probe: Callable[[], str]) -> Check:
 
 
 def _ceiling(settings: Settings) -> str:
-    name = select_ceiling(settings.ceiling, settings.cgroup_parent).name
-    # Only the cgroup2 driver puts its scopes under OUROBOROS_CGROUP_PARENT; the
-    # systemd driver's units are wherever the user manager puts them.
-    if name == "cgroup2" and settings.cgroup_parent:
-        return f"{name} driver works (scopes under {settings.cgroup_parent})"
-    return f"{name} driver works"
+    ceiling = select_ceiling(settings.ceiling, settings.cgroup_parent)
+    placement = ceiling.placement()
+    return f"{ceiling.name} driver works" + (f" ({placement})" if placement else "")
 
 
 def checks(settings: Settings) -> list[Check]:

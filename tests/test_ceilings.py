@@ -17,12 +17,18 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from worker.instrument.ceilings import CeilingError, cgroup1, select_ceiling
-from worker.instrument.ceilings.base import SCOPE_PARENT, join_command, own_cgroup_dirs
+from worker.instrument.ceilings import CeilingError, cgroup1, cgroup2, select_ceiling
+from worker.instrument.ceilings.base import (
+    SCOPE_PARENT,
+    create_scope_dir,
+    join_command,
+    own_cgroup_dirs,
+)
 from worker.instrument.ceilings.cgroup1 import CONTROLLERS as V1_CONTROLLERS
 from worker.instrument.ceilings.cgroup1 import Cgroup1Ceiling
 from worker.instrument.ceilings.cgroup2 import Cgroup2Ceiling
@@ -384,6 +390,148 @@ def test_cgroup2_open_explains_a_cgroup_that_cannot_delegate(fake_v2: Path) -> N
     (fake_v2 / "cgroup.subtree_control").symlink_to("/proc/version")
     with pytest.raises(CeilingError, match="cannot delegate controllers"):
         Cgroup2Ceiling(fake_v2).open(Physics(), "v2")
+
+
+def test_cgroup2_scope_parent_removed_while_it_is_prepared_is_made_again(
+    fake_v2: Path,
+) -> None:
+    attempts: list[Path] = []
+
+    def closed_meanwhile(base: Path) -> None:
+        # The first time, another scope's close() removes the empty parent just before
+        # its controllers are written: the write fails as it does in cgroupfs.
+        attempts.append(base)
+        if len(attempts) == 1:
+            base.rmdir()
+        cgroup2._delegate(base)
+
+    scope = create_scope_dir(fake_v2, "v2-scope", closed_meanwhile)
+    assert attempts == [fake_v2 / SCOPE_PARENT] * 2
+    assert scope == fake_v2 / SCOPE_PARENT / "v2-scope" and scope.is_dir()
+
+
+# --- cgroup2 in a container's own cgroup namespace, against a stand-in tree ---------------
+
+
+def container_view(tmp_path: Path, cgroup_path: str, real_root: bool = False) -> Path:
+    """A /proc/self whose cgroup2 mount shows a namespace root (the host's root if real_root).
+
+    Returns the proc directory; the stand-in root is ``tmp_path / "cgroup"``, holding
+    processes 1 and 7 and offering the controllers, with none enabled yet.
+    """
+    root, proc = tmp_path / "cgroup", tmp_path / "proc"
+    root.mkdir()
+    proc.mkdir()
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (root / "cgroup.subtree_control").write_text("\n")
+    (root / "cgroup.procs").write_text("1\n7\n")
+    if not real_root:
+        (root / "cgroup.type").write_text("domain\n")
+    (proc / "mountinfo").write_text(f"233 231 0:26 / {root} rw - cgroup2 cgroup2 rw,nsdelegate\n")
+    (proc / "cgroup").write_text(f"0::{cgroup_path}\n")
+    return proc
+
+
+@contextmanager
+def kernel_moves(root: Path, moved: list[int]) -> Iterator[None]:
+    """What the kernel does on a write to ``root/worker/cgroup.procs``: the pid leaves the root.
+
+    The leaf's cgroup.procs is a FIFO served by a thread, so each move is seen as it
+    is written, as the driver goes on to read the root's list.
+    """
+    leaf = root / "worker"
+    leaf.mkdir()
+    os.mkfifo(leaf / "cgroup.procs")
+
+    def serve() -> None:
+        while True:
+            with (leaf / "cgroup.procs").open() as fifo:
+                written = fifo.read().split()
+            if written == ["stop"]:
+                return
+            for pid in written:
+                moved.append(int(pid))
+                listed = (root / "cgroup.procs").read_text().split()
+                (root / "cgroup.procs").write_text("".join(f"{p}\n" for p in listed if p != pid))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    yield
+    (leaf / "cgroup.procs").write_text("stop")
+    server.join(timeout=10)
+
+
+def test_cgroup2_in_a_namespace_root_moves_its_processes_to_a_leaf_first(
+    tmp_path: Path,
+) -> None:
+    proc = container_view(tmp_path, "/")
+    root, moved = tmp_path / "cgroup", []
+    ceiling = Cgroup2Ceiling(proc_self=proc)
+    assert ceiling.base() == (root, True)
+    assert ceiling.unavailable_reason() is None
+    with kernel_moves(root, moved):
+        enclosure = ceiling.open(Physics(), "v2")
+    # Every process of the root went to the leaf (the kernel would refuse the
+    # controllers while one is left there); a pid may be written twice if the list is
+    # read before the kernel took it off.
+    assert set(moved) == {1, 7}
+    assert (root / "cgroup.procs").read_text() == ""
+    assert enclosure.directory.parent == root / SCOPE_PARENT
+    for delegating in (root, root / SCOPE_PARENT):
+        assert (delegating / "cgroup.subtree_control").read_text() == "+cpu +memory +pids\n"
+    assert ceiling.placement() == (
+        f"the root of this container's cgroup namespace, {root}: its processes in"
+        f" {root}/worker, scopes under {root}/{SCOPE_PARENT}"
+    )
+
+
+def test_cgroup2_in_the_namespace_roots_leaf_puts_scopes_beside_it(tmp_path: Path) -> None:
+    # A later process of the container (a pool child, the doctor through docker exec).
+    proc = container_view(tmp_path, "/worker")
+    root = tmp_path / "cgroup"
+    (root / "worker").mkdir()
+    (root / "cgroup.procs").write_text("")
+    enclosure = Cgroup2Ceiling(proc_self=proc).open(Physics(), "v2")
+    assert enclosure.directory.parent == root / SCOPE_PARENT
+    assert (root / "cgroup.subtree_control").read_text() == "+cpu +memory +pids\n"
+
+
+def test_cgroup2_outside_a_namespace_root_uses_its_own_cgroup(tmp_path: Path) -> None:
+    proc = container_view(tmp_path, "/", real_root=True)
+    root = tmp_path / "cgroup"
+    # The host's real root may hold processes and delegate: nothing is moved.
+    assert Cgroup2Ceiling(proc_self=proc).base() == (root, False)
+    (proc / "cgroup").write_text("0::/worker\n")
+    (root / "worker").mkdir()
+    assert Cgroup2Ceiling(proc_self=proc).base() == (root / "worker", False)
+    (root / "cgroup.type").write_text("domain\n")
+    (proc / "cgroup").write_text("0::/system.slice\n")
+    assert Cgroup2Ceiling(proc_self=proc).base() == (root / "system.slice", False)
+    assert Cgroup2Ceiling(proc_self=proc).placement() == (
+        f"scopes under {root}/system.slice/{SCOPE_PARENT}"
+    )
+
+
+def test_cgroup2_refuses_a_namespace_root_holding_processes_of_another_pid_namespace(
+    tmp_path: Path,
+) -> None:
+    proc = container_view(tmp_path, "/")
+    (tmp_path / "cgroup" / "cgroup.procs").write_text("0\n1\n")
+    with pytest.raises(CeilingError, match="outside this pid namespace"):
+        Cgroup2Ceiling(proc_self=proc).open(Physics(), "v2")
+
+
+def test_cgroup2_names_a_namespace_root_whose_processes_it_may_not_move(tmp_path: Path) -> None:
+    proc = container_view(tmp_path, "/")
+    leaf = tmp_path / "cgroup" / "worker"
+    leaf.mkdir()
+    # Refuses writes even from root, as the kernel refuses the unprivileged worker a
+    # root-owned cgroup.procs.
+    (leaf / "cgroup.procs").symlink_to("/proc/version")
+    with pytest.raises(CeilingError) as refused:
+        Cgroup2Ceiling(proc_self=proc).open(Physics(), "v2")
+    message = str(refused.value)
+    assert "cannot move process 1" in message and "worker-entrypoint.sh" in message
 
 
 # --- systemd, through stand-ins ---------------------------------------------------------

@@ -26,6 +26,10 @@ The guest has no network but its forwarded ssh port; the Python packages come
 built into the image (scripts/vm-image.sh), their installation in a cached layer
 over it (``vm_guest.fleet_layer``), the source is copied in over ssh. It holds
 the machine-wide lock (``machine_to_itself``): TCG needs the machine's cores.
+
+In the same boot, the compose file's worker container as a cgroup-v2 Docker host
+runs it (``vm_container``): in its own cgroup namespace, through the real
+entrypoint, the cgroup2 driver's lives pass the same checks.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from typing import Any, NamedTuple
 import pytest
 from test_sandbox import PRELUDE
 from test_sandbox_identity import WALLS, elisp
+from vm_container import CGROUP, ContainerHost
+from vm_container import NAME as CONTAINER_NAME
 from vm_guest import WORKER_UNIT, Guest, Host, build_image, fleet_layer, install_fleet
 
 pytestmark = [
@@ -326,3 +332,116 @@ def test_the_life_is_its_own_unprivileged_uid_and_proc_sys_is_read_only(
     assert "core-pattern-writable" not in walls
     assert not [line for line in walls if line.startswith(("wrote-", "made-"))]
     assert not {"writable /proc/sys", "writable /proc/sys/kernel"} & set(walls)
+
+
+# --- the compose worker's container, in its own cgroup namespace, on the same boot --------
+
+
+class ContainerRun(NamedTuple):
+    """One generation of each of LINEAGES, lived by the worker of the guest's container."""
+
+    lives: Lives
+    # The container's init (docker-init's place): its cgroup and uid, as the guest sees them.
+    init_cgroup: str
+    init_uid: int
+    # Whatever the container's worker leaf holds: each process's uid and command line.
+    leaf: list[tuple[int, str]]
+    root_procs: str
+    root_subtree_control: str
+
+
+@pytest.fixture(scope="module")
+def container(guests: Guests) -> ContainerRun:
+    """The compose worker on a cgroup-v2 Docker host, emulated in the booted guest.
+
+    Its own cgroup namespace, cgroup2 mounted read-only, the real entrypoint (root,
+    then the unprivileged ``ouroboros`` user), ``celery -A worker worker``, the
+    cgroup2 driver (``auto`` would pick it too: no user manager answers in there).
+    The lineages are created and run with the CLI as the compose ``cli`` service
+    runs it; the doctor goes through the entrypoint, as ``docker compose exec``.
+    """
+    host = guests.current or guests.host(*RUNS[-1])
+    assert guests.flavour is not None
+    box = ContainerHost(host.guest, host.install)
+    names = [f"{name}-cgroup2" for name in LINEAGES]
+    started = time.monotonic()
+    box.start(concurrency=len(LINEAGES))
+    try:
+        # Seeds and lineages while the container's worker starts.
+        box.guest.run(f"tar -C / -xf - && chown -R ouroboros: {SEEDS}", input=seeds(["cgroup2"]))
+        box.cli_batch(init_commands("cgroup2"))
+        box.wait_ready()
+        with ThreadPoolExecutor(1) as pool:
+            doctor = pool.submit(box.doctor)
+            box.cli("run", *names, "--generations", "1", "--wait", timeout=2400)
+            found = {name: box.observation(f"{name}-cgroup2", 1) for name in LINEAGES}
+            report = doctor.result()
+        init = box.init_pid()
+        run = ContainerRun(
+            lives=Lives(box, guests.flavour, "cgroup2", report, found),
+            init_cgroup=box.cgroup_of(init),
+            init_uid=int(box.guest.run(f"stat -c %u /proc/{init}").stdout),
+            leaf=box.processes(f"{CGROUP}/worker"),
+            root_procs=box.guest.run(f"cat {CGROUP}/cgroup.procs").stdout,
+            root_subtree_control=box.guest.run(f"cat {CGROUP}/cgroup.subtree_control").stdout,
+        )
+    finally:
+        box.stop()
+    guests.report(
+        f"vm host {guests.flavour}, the compose worker's container: its start,"
+        f" {len(names)} generations and the doctor in {time.monotonic() - started:.0f} s"
+    )
+    return run
+
+
+# The checks of every driver run, on the container's lives.
+CONTAINER_CHECKS = (
+    test_doctor_finds_the_driver_working_as_the_worker_runs,
+    test_a_life_that_rewrites_itself_ends_changed,
+    test_memory_past_the_ceiling_ends_cgroup_oom_with_its_figures,
+    test_an_endless_loop_ends_wall_timeout,
+    test_a_fork_bomb_is_held_at_the_task_ceiling,
+    test_the_forks_stopped_below_the_ceiling,
+    test_the_life_is_its_own_unprivileged_uid_and_proc_sys_is_read_only,
+)
+
+
+@pytest.mark.parametrize(
+    "check",
+    CONTAINER_CHECKS,
+    ids=[check.__name__.removeprefix("test_") for check in CONTAINER_CHECKS],
+)
+def test_in_a_containers_cgroup_namespace(
+    container: ContainerRun, check: Callable[[Lives], None]
+) -> None:
+    check(container.lives)
+
+
+def test_the_containers_lives_were_lived_in_it(container: ContainerRun) -> None:
+    for observation in container.lives.observations.values():
+        provenance = observation["provenance"]
+        assert (provenance["worker_host"], provenance["ceiling_driver"]) == (
+            CONTAINER_NAME,
+            "cgroup2",
+        )
+
+
+def test_the_doctor_names_the_containers_namespace_root(container: ContainerRun) -> None:
+    text = " ".join(container.lives.doctor.split())
+    assert (
+        "cgroup2 driver works (the root of this container's cgroup namespace, /sys/fs/cgroup:"
+        " its processes in /sys/fs/cgroup/worker, scopes under /sys/fs/cgroup/ouroboros)"
+    ) in text, text
+
+
+def test_the_unprivileged_worker_moved_the_containers_processes_to_a_leaf(
+    container: ContainerRun,
+) -> None:
+    # The namespace root holds no process and hands cpu, memory and pids down.
+    assert container.root_procs == ""
+    assert container.root_subtree_control.split() == ["cpu", "memory", "pids"]
+    # Root's init among them: moved by the worker, which runs as the ouroboros user.
+    assert (container.init_cgroup, container.init_uid) == (f"/{CONTAINER_NAME}/worker", 0)
+    worker_uid = int(container.lives.host.guest.run("id -u ouroboros").stdout)
+    celery = [uid for uid, args in container.leaf if "celery" in args]
+    assert celery and set(celery) == {worker_uid}, container.leaf

@@ -7,12 +7,15 @@
 # with CAP_SYS_ADMIN, and before the worker runs:
 #   1. remounts this container's own cgroup mounts read-write (the container has
 #      a private cgroup namespace, so these mounts show only its own subtree);
-#   2. on cgroup v2, moves every process of the namespace root into a leaf and
-#      delegates cpu, memory and pids to an empty `ouroboros` child: v2 forbids a
-#      cgroup that holds processes from handing controllers to children, and the
-#      namespace root is a cgroup like any other on the host;
-#   3. hands that subtree to the unprivileged `ouroboros` user (chown, the v2
-#      delegation model);
+#   2. on cgroup v2, hands the namespace root to the unprivileged `ouroboros`
+#      user (chown of the directory and of the files that move processes and
+#      enable controllers: the v2 delegation model). The worker's cgroup2 driver
+#      then moves every process of the root (docker-init, this script's heir)
+#      into a leaf `worker` and enables cpu, memory and pids for the sandboxes
+#      under `ouroboros`: v2 forbids a cgroup that holds processes from handing
+#      controllers to children, and the namespace root is a cgroup like any
+#      other on the host (worker/instrument/ceilings/cgroup2.py);
+#   3. on cgroup v1, hands the container's own cgroups to that user;
 #   4. drops root, every capability (bounding set included) and the ability to
 #      regain any (no_new_privs), and execs the worker.
 # Nothing privileged survives step 4: bwrap creates its namespaces as an ordinary
@@ -25,7 +28,7 @@
 # /usr/local/libexec/ouroboros/worker-entrypoint.sh CMD...), it finds the work
 # done and runs CMD exactly as the worker runs: the health check and the doctor
 # go through it. (runc puts such processes in the cgroup of the container's
-# init, the supervisor leaf, since the namespace root is no longer a leaf.)
+# init, the `worker` leaf, once the namespace root is no longer a leaf.)
 set -euo pipefail
 
 readonly run_as=ouroboros
@@ -55,39 +58,13 @@ make_writable() {
 }
 
 delegate_v2() {
-  local root=$cgroup_fs pid controller wanted="" uid gid
-  if [ -n "$(cat "$root/ouroboros/cgroup.subtree_control" 2>/dev/null)" ]; then
-    # Delegated already: this is a later `docker exec` of this script (health
-    # check, doctor); it only needs the worker's environment.
-    export OUROBOROS_CGROUP_PARENT="$root/ouroboros"
-    return 0
-  fi
+  local root=$cgroup_fs uid gid
   uid=$(id -u "$run_as")
   gid=$(id -g "$run_as")
-  mkdir -p "$root/supervisor" "$root/worker" "$root/ouroboros" || return 1
-  # docker-init and this shell go to a leaf of their own; the loop repeats because
-  # a process may fork while we read the list.
-  for _ in 1 2 3; do
-    while read -r pid; do
-      echo "$pid" >"$root/supervisor/cgroup.procs" 2>/dev/null || true
-    done <"$root/cgroup.procs"
-  done
-  for controller in cpu memory pids; do
-    if ! grep -qw "$controller" "$root/cgroup.controllers"; then
-      log "the $controller controller is not available in this container's cgroup"
-      return 1
-    fi
-    wanted="$wanted +$controller"
-  done
-  echo "$wanted" >"$root/cgroup.subtree_control" || return 1
-  echo "$wanted" >"$root/ouroboros/cgroup.subtree_control" || return 1
-  # The worker itself lives in /worker; sandboxes go below /ouroboros. Moving a
-  # process between the two needs write access to their common ancestor's
-  # cgroup.procs, which is the namespace root: only this container's subtree.
-  echo "$$" >"$root/worker/cgroup.procs" || return 1
-  chown "$uid:$gid" "$root/cgroup.procs" "$root/worker" "$root/worker/cgroup.procs" || return 1
-  chown -R "$uid:$gid" "$root/ouroboros" || return 1
-  export OUROBOROS_CGROUP_PARENT="$root/ouroboros"
+  # Moving a process between two cgroups needs write access to their common
+  # ancestor's cgroup.procs: for the driver's moves, only this container's root.
+  chown "$uid:$gid" "$root" "$root/cgroup.procs" "$root/cgroup.subtree_control" \
+    "$root/cgroup.threads"
 }
 
 delegate_v1() {

@@ -41,8 +41,9 @@ def select_ceiling(name: str = "auto", cgroup_parent: Path | None = None) -> Cei
     """The first driver (``auto``) or the named one that passes the preflight; else Refusal.
 
     ``cgroup_parent`` is a prepared v2 cgroup (controllers enabled, no processes) to put
-    scopes under, for hosts where the worker's own cgroup cannot delegate: containers
-    and systemd services (a v2 cgroup may not both hold processes and delegate).
+    scopes under, for hosts where the worker's own cgroup cannot delegate: systemd
+    services (a v2 cgroup may not both hold processes and delegate). A container's
+    own cgroup namespace needs none: the cgroup2 driver prepares its root itself.
     """
     if name != "auto" and name not in DRIVERS:
         raise Refusal(f"unknown ceiling {name!r}; choose auto, {', '.join(DRIVERS)}")

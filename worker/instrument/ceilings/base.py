@@ -113,6 +113,10 @@ class Ceiling(ABC):
     def open(self, physics: Physics, label: str) -> Enclosure:
         """Create a scope enforcing ``physics``; raises CeilingError when the host refuses."""
 
+    def placement(self) -> str | None:
+        """Where this driver's scopes live on this host, in words (doctor); None: nothing to add."""
+        return None
+
 
 def scope_name(label: str) -> str:
     """A scope name unique on this host: the label for humans, the creator's pid, a random tag.
@@ -192,8 +196,9 @@ def create_scope_dir(
 ) -> Path:
     """Create ``parent/ouroboros/name``; ``prepare`` readies ``parent/ouroboros`` first.
 
-    A concurrent close() may remove an empty ``ouroboros`` between our mkdir calls, so a
-    vanished parent is recreated a few times before giving up.
+    A concurrent close() may remove an empty ``ouroboros`` between our mkdir calls, or
+    while ``prepare`` writes to it, so a vanished parent is recreated a few times before
+    giving up.
     """
     base = parent / SCOPE_PARENT
     for _attempt in range(5):
@@ -204,6 +209,10 @@ def create_scope_dir(
             (base / name).mkdir()
             return base / name
         except FileNotFoundError:
+            continue
+        except CeilingError:
+            if base.exists():
+                raise
             continue
         except OSError as exc:
             raise CeilingError(f"cannot create cgroup {base / name}: {exc}") from exc

@@ -3,23 +3,38 @@
 Owns the v2 files: ``cpu.max``, ``memory.max``, ``memory.swap.max`` (where the kernel
 accounts swap), ``pids.max``; figures from ``cpu.stat`` (``usage_usec``), ``memory.peak``
 and ``memory.events`` (``oom_kill``); ``cgroup.kill`` to end a scope. Scopes live at
-``<this process's cgroup>/ouroboros/<scope>``, with cpu, memory and pids enabled in
-``cgroup.subtree_control`` on the way down.
+``<base>/ouroboros/<scope>``, with cpu, memory and pids enabled in
+``cgroup.subtree_control`` on the way down. Also owns where ``<base>`` is:
 
-Trusts the unified hierarchy this process finds itself in. v2 forbids handing
-controllers to children of a cgroup that holds processes (except the root), so this
-driver works when the worker's own cgroup is the root of its namespace or already
-delegates cpu, memory and pids; otherwise opening a scope fails and the preflight
-names the reason.
+* a prepared parent (``OUROBOROS_CGROUP_PARENT``: controllers enabled, no processes),
+  as ``deploy/systemd/cgroup-delegate.sh`` makes for a ``Delegate=yes`` service;
+* in a container's own cgroup namespace (``cgroup: private``, the default on a v2
+  Docker or Podman host), the namespace root: the process is in ``/`` (or in its
+  ``worker`` leaf, below). v2 forbids a cgroup that holds processes to hand
+  controllers to children, and a namespace root is no exception (only the host's
+  real root is), so before enabling them the driver moves every process of the
+  root into the leaf ``<root>/worker``, as container runtimes do for a nested
+  runtime. Later processes of the container (the worker's pool, ``docker exec``,
+  which runc then puts beside the container's init) start in that leaf and find
+  the same base. Everything in a private namespace is the container's own, so
+  moving it all touches nothing else on the host;
+* otherwise this process's own cgroup, which works only where that cgroup already
+  delegates (the host's real root, or a cgroup with processes in children only).
+
+Trusts the unified hierarchy this process finds itself in. Where the cgroup cannot
+delegate, opening a scope fails and the preflight names the reason.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 from worker.instrument.ceilings.base import (
     CFS_PERIOD_USEC,
+    SCOPE_PARENT,
     Ceiling,
     CeilingError,
     Enclosure,
@@ -31,6 +46,7 @@ from worker.instrument.ceilings.base import (
     empty_scope,
     join_command,
     joined_cpu_nsec,
+    members,
     own_cgroup_dirs,
     read_int,
     read_keyed,
@@ -41,6 +57,10 @@ from worker.instrument.ceilings.base import (
 from worker.instrument.physics import Physics
 
 CONTROLLERS = ("cpu", "memory", "pids")
+# The leaf that takes the processes of a container's namespace root (module docstring).
+NAMESPACE_LEAF = "worker"
+# How long processes arriving in the namespace root may keep it from delegating.
+HAND_DOWN_TIMEOUT_SECONDS = 30.0
 
 
 class Cgroup2Enclosure(Enclosure):
@@ -94,24 +114,57 @@ class Cgroup2Enclosure(Enclosure):
         self._closed = True
 
 
+class Base(NamedTuple):
+    """Where scopes go: below ``directory``, which is a container's namespace root or not."""
+
+    directory: Path
+    namespace_root: bool
+
+
 class Cgroup2Ceiling(Ceiling):
-    """Scopes below this process's own v2 cgroup (or below ``parent`` when given)."""
+    """Scopes below ``parent`` when given, else below the base the module docstring names."""
 
     name = "cgroup2"
 
-    def __init__(self, parent: Path | None = None) -> None:
+    def __init__(self, parent: Path | None = None, proc_self: Path = Path("/proc/self")) -> None:
         self._parent = parent
+        self._proc_self = proc_self
 
-    def _own(self) -> Path | None:
-        return self._parent if self._parent is not None else own_cgroup_dirs().get("")
+    def base(self) -> Base | None:
+        """Where this process's scopes go; None when no cgroup2 hierarchy shows its cgroup."""
+        if self._parent is not None:
+            return Base(self._parent, namespace_root=False)
+        cgroup = self._proc_self / "cgroup"
+        own = own_cgroup_dirs(self._proc_self / "mountinfo", cgroup).get("")
+        if own is None:
+            return None
+        path = _v2_path(cgroup)
+        root = {"/": own, f"/{NAMESPACE_LEAF}": own.parent}.get(path or "")
+        # Only the host's real root lacks cgroup.type; it may hold processes and delegate.
+        if root is not None and (root / "cgroup.type").exists():
+            return Base(root, namespace_root=True)
+        return Base(own, namespace_root=False)
+
+    def placement(self) -> str | None:
+        base = self.base()
+        if base is None:
+            return None
+        scopes = f"scopes under {base.directory / SCOPE_PARENT}"
+        if base.namespace_root:
+            return (
+                f"the root of this container's cgroup namespace, {base.directory}: its"
+                f" processes in {base.directory / NAMESPACE_LEAF}, {scopes}"
+            )
+        return scopes
 
     def unavailable_reason(self) -> str | None:
         try:
-            own = self._own()
+            base = self.base()
         except OSError as exc:
             return f"cannot read this process's cgroups: {exc}"
-        if own is None:
+        if base is None:
             return "no cgroup2 hierarchy is mounted over this process's cgroup"
+        own = base.directory
         try:
             offered = (own / "cgroup.controllers").read_text().split()
         except OSError as exc:
@@ -127,12 +180,15 @@ class Cgroup2Ceiling(Ceiling):
         return None
 
     def open(self, physics: Physics, label: str) -> Cgroup2Enclosure:
-        own = self._own()
-        if own is None:
+        base = self.base()
+        if base is None:
             raise CeilingError("no cgroup2 hierarchy is mounted over this process's cgroup")
         name = scope_name(label)
-        _delegate(own)
-        enclosure = Cgroup2Enclosure(create_scope_dir(own, name, _delegate))
+        if base.namespace_root:
+            _hand_down(base.directory)
+        else:
+            _delegate(base.directory)
+        enclosure = Cgroup2Enclosure(create_scope_dir(base.directory, name, _delegate))
         try:
             directory = enclosure.directory
             write_value(directory / "cpu.max", f"{cfs_quota_usec(physics)} {CFS_PERIOD_USEC}")
@@ -145,6 +201,63 @@ class Cgroup2Ceiling(Ceiling):
             enclosure.close()
             raise
         return enclosure
+
+
+def _v2_path(cgroup: Path) -> str | None:
+    """This process's cgroup in the unified hierarchy, as its cgroup namespace shows it."""
+    for line in cgroup.read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+def _hand_down(root: Path) -> None:
+    """Move every process of the namespace ``root`` into its leaf, then enable the controllers.
+
+    A process may arrive in the root between the two (a ``docker exec`` while the root
+    is still a leaf), and the kernel then refuses the controllers: both are repeated
+    until they hold together.
+    """
+    deadline = time.monotonic() + HAND_DOWN_TIMEOUT_SECONDS
+    while True:
+        _vacate(root, deadline)
+        try:
+            _delegate(root)
+            return
+        except CeilingError:
+            if time.monotonic() > deadline or not members([root / "cgroup.procs"]):
+                raise
+
+
+def _vacate(root: Path, deadline: float) -> None:
+    """Move the processes listed in ``root`` into ``root/worker`` until it lists none."""
+    leaf = root / NAMESPACE_LEAF
+    try:
+        leaf.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise CeilingError(f"cannot create cgroup {leaf}: {exc}") from exc
+    while pids := members([root / "cgroup.procs"]):
+        if 0 in pids:
+            # The kernel lists a process of another pid namespace as 0, and a write of 0
+            # would move the writer instead.
+            raise CeilingError(
+                f"{root} holds processes outside this pid namespace, which cannot be moved"
+                " from here; give the container its own pid namespace"
+            )
+        if time.monotonic() > deadline:
+            raise CeilingError(f"processes {sorted(pids)} keep arriving in {root}")
+        for pid in pids:
+            try:
+                (leaf / "cgroup.procs").write_text(f"{pid}\n")
+            except ProcessLookupError:
+                continue  # it ended meanwhile
+            except OSError as exc:
+                raise CeilingError(
+                    f"cannot move process {pid} from {root}, the root of this container's"
+                    f" cgroup namespace, to {leaf}: {exc} (run the worker as root in the"
+                    " container, or hand the root to its user as"
+                    " deploy/docker/worker-entrypoint.sh does)"
+                ) from exc
 
 
 def _delegate(directory: Path) -> None:
