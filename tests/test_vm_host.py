@@ -31,18 +31,39 @@ the machine-wide lock (``machine_to_itself``): TCG needs the machine's cores.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import socket
+import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from lineage_support import Worker, seed_file, wait_for
+from test_fleet import SLOW, WRITES_STATE
 from test_sandbox import PRELUDE
 from test_sandbox_identity import WALLS, elisp
-from vm_guest import WORKER_UNIT, Guest, Host, build_image, fleet_layer, install_fleet
+from vm_fleet import LEASE_SECONDS, ControlHost, Landed, join, landed
+from vm_guest import (
+    HOST_ALIAS,
+    WORKER_UNIT,
+    Guest,
+    Host,
+    build_image,
+    fleet_layer,
+    install_fleet,
+)
+
+from scheduler.liveness import ask
+from worker.fleet.app import client_app
+from worker.fleet.settings import Settings
+from worker.instrument.fingerprint import current
 
 pytestmark = [
     pytest.mark.vm,
@@ -135,9 +156,15 @@ class Guests:
     Python start.
     """
 
-    def __init__(self, scratch: pytest.TempPathFactory, report: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        scratch: pytest.TempPathFactory,
+        report: Callable[[str], None],
+        host_ports: tuple[int, ...] = (),
+    ) -> None:
         self.scratch = scratch
         self.report = report
+        self.host_ports = host_ports
         self.flavour: str | None = None
         self.driver: str | None = None
         self.guest: Guest | None = None
@@ -163,7 +190,9 @@ class Guests:
         started = time.monotonic()
         layer = fleet_layer(image, self.scratch.mktemp(f"vm-{flavour}-layer"))
         times["layer"] = time.monotonic() - started
-        guest = self.guest = Guest(image, self.scratch.mktemp(f"vm-{flavour}"), layer=layer)
+        guest = self.guest = Guest(
+            image, self.scratch.mktemp(f"vm-{flavour}"), self.host_ports, layer=layer
+        )
         self.flavour = flavour
         times["boot"] = guest.boot()
         started = time.monotonic()
@@ -205,13 +234,27 @@ class Lives(NamedTuple):
 
 
 @pytest.fixture(scope="module")
+def control_host(
+    machine_to_itself: None, s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ControlHost]:
+    """The fleet's services on this host: up before a guest boots, which can reach only
+    the ports it was started with."""
+    control = ControlHost(tmp_path_factory.mktemp("vm-control"), s3_endpoint)
+    try:
+        yield control
+    finally:
+        control.stop()
+
+
+@pytest.fixture(scope="module")
 def guests(
     machine_to_itself: None,
+    control_host: ControlHost,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Guests]:
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    pool = Guests(tmp_path_factory, reporter.write_line if reporter else print)
+    pool = Guests(tmp_path_factory, reporter.write_line if reporter else print, control_host.ports)
     try:
         yield pool
     finally:
@@ -326,3 +369,216 @@ def test_the_life_is_its_own_unprivileged_uid_and_proc_sys_is_read_only(
     assert "core-pattern-writable" not in walls
     assert not [line for line in walls if line.startswith(("wrote-", "made-"))]
     assert not {"writable /proc/sys", "writable /proc/sys/kernel"} & set(walls)
+
+
+# The guest as a second fleet host. These come last in the module, the power-off last
+# of all: it ends the guest's life, and a test after it would boot another.
+FLEET_NAMES = [f"shared-{n}" for n in range(1, 7)]
+FLEET_GENERATIONS = 3
+# The lineage whose life the guest is living when it loses power: long enough to be
+# caught in the act over ssh, short enough for the host's worker to live it again.
+NAPPER = "napper"
+NAPPER_SECONDS = 20
+GUEST_WORKER = "ouroboros-worker@ouroboros-guest"
+
+
+class TwoHosts(NamedTuple):
+    """The guest joined to the host's fleet, after the shared lineages' run."""
+
+    control: ControlHost
+    host: Host
+    guests: Guests
+    workers: list[Worker]
+    queue: str
+    serving: list[str]
+    found: dict[str, Landed]
+    reconciler_log: Path
+    # What ``ps`` showed on either side while the run went on, and the guest's journal.
+    host_ps: str
+    guest_ps: str
+    guest_journal: str
+
+
+def ps() -> str:
+    return subprocess.run(
+        ["ps", "-e", "-ww", "-o", "args="], capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.fixture(scope="module")
+def two_hosts(guests: Guests, control_host: ControlHost) -> Iterator[TwoHosts]:
+    """The last guest booted joins the fleet; both hosts' workers run FLEET_NAMES.
+
+    The host's worker is a real Celery worker as the fleet tests start them, on the
+    repository's local path; the guest's is its ``ouroboros-worker.service``, on the
+    same repository over ssh. Each lineage was created here, so its queue is the
+    checkout's instrument: the guest serves it only if its installed release is
+    the same instrument.
+    """
+    started = time.monotonic()
+    host = guests.host(*RUNS[-1])
+    fleet = control_host.fleet
+    seed = seed_file(fleet.home, SLOW.format(seconds=0.5) + WRITES_STATE, "shared.el")
+    napper = seed_file(fleet.home, SLOW.format(seconds=NAPPER_SECONDS) + WRITES_STATE, "nap.el")
+    physics = ["--wall", "120", "--cpu-seconds", "60", "--memory-max", "512M"]
+    with ThreadPoolExecutor(1) as pool:
+        created = pool.submit(
+            lambda: (
+                [fleet.ok("init", name, "--seed", str(seed), *physics) for name in FLEET_NAMES]
+                + [fleet.ok("init", NAPPER, "--seed", str(napper), *physics)]
+            )
+        )
+        join(host, control_host)
+        created.result()
+    meta = json.loads(fleet.show(FLEET_NAMES[0], ".ouroboros-lineage.json"))
+    queue = "gen." + meta["instrument_fingerprint"][:12]
+    workers = [Worker(fleet, "host", concurrency=2)]
+    reconciler_log = fleet.home / "reconciler.log"
+    with reconciler_log.open("wb") as sink:
+        reconciler = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "reconcile", "--loop"],
+            env=fleet.env,
+            cwd=fleet.home,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        workers[0].wait_ready()
+        app = client_app(Settings(broker_url=control_host.redis.url("127.0.0.1")))
+
+        def both_serve() -> list[str]:
+            serving = ask(app, timeout=2).serving(queue)
+            return serving if GUEST_WORKER in serving and len(serving) > 1 else []
+
+        serving = wait_for(both_serve, 900, f"both hosts' workers to serve {queue}", interval=2)
+        joined = time.monotonic() - started
+        with ThreadPoolExecutor(1) as pool:
+            run = pool.submit(
+                fleet.ok, "run", *FLEET_NAMES, "--generations", str(FLEET_GENERATIONS),
+                "--wait", timeout=2400,
+            )  # fmt: skip
+            host_ps, guest_ps = [], []
+            while not run.done():
+                host_ps.append(ps())
+                guest_ps.append(host.guest.run("ps -e -ww -o args=").stdout)
+                time.sleep(5)
+            run.result()
+        lived = time.monotonic() - started - joined
+        guests.report(
+            f"vm second host: joined (lineages created, guest configured, its worker"
+            f" restarted and serving) in {joined:.0f} s; {len(FLEET_NAMES)} x"
+            f" {FLEET_GENERATIONS} generations across both hosts in {lived:.0f} s"
+        )
+        yield TwoHosts(
+            control=control_host,
+            host=host,
+            guests=guests,
+            workers=workers,
+            queue=queue,
+            serving=serving,
+            found={name: landed(control_host, name) for name in FLEET_NAMES},
+            reconciler_log=reconciler_log,
+            host_ps="\n".join(host_ps),
+            guest_ps="\n".join(guest_ps),
+            guest_journal=host.guest.run("journalctl --no-pager -o cat").stdout,
+        )
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+        for worker in workers:
+            worker.stop()
+
+
+def assert_exactly_once(found: Landed, count: int, lineage: str) -> None:
+    """Generations 1..count, each once, in order, on a linear branch; one observation each."""
+    numbered = [s.split(":")[0] for s in found.subjects]
+    assert numbered == [f"gen {n}" for n in range(1, count + 1)], lineage
+    assert all(len(parents) == 1 for parents in found.parents), found.parents
+    assert [p[0] for p in found.parents[1:]] == found.commits[:-1]
+    assert [o["generation"] for o in found.observations] == list(range(1, count + 1))
+    for observation, commit, parents in zip(
+        found.observations, found.commits, found.parents, strict=True
+    ):
+        assert observation["lineage_commit"] == commit
+        assert observation["parent_commit"] == parents[0]
+
+
+def test_both_hosts_serve_the_queue_of_the_same_instrument(two_hosts: TwoHosts) -> None:
+    assert two_hosts.queue == current().queue
+    assert GUEST_WORKER in two_hosts.serving
+    assert f"host@{socket.gethostname()}" in two_hosts.serving
+
+
+def test_lineages_advance_across_both_hosts_exactly_once(two_hosts: TwoHosts) -> None:
+    lived_on: dict[str, int] = {}
+    for name, found in two_hosts.found.items():
+        assert_exactly_once(found, FLEET_GENERATIONS, name)
+        for observation in found.observations:
+            where = observation["provenance"]["worker_host"]
+            lived_on[where] = lived_on.get(where, 0) + 1
+    # Both hosts lived some: each observation names the host its worker ran on.
+    assert set(lived_on) == {socket.gethostname(), "ouroboros-guest"}, lived_on
+    assert sum(lived_on.values()) == len(FLEET_NAMES) * FLEET_GENERATIONS
+
+
+def test_secrets_stay_out_of_command_lines_and_logs(two_hosts: TwoHosts) -> None:
+    logs = {
+        **{path.name: path.read_text(errors="replace") for path in two_hosts.control.logs},
+        "host worker": two_hosts.workers[0].text(),
+        "reconciler": two_hosts.reconciler_log.read_text(errors="replace"),
+        "guest journal": two_hosts.guest_journal,
+        "ps on the host": two_hosts.host_ps,
+        "ps in the guest": two_hosts.guest_ps,
+    }
+    for secret in two_hosts.control.secrets:
+        leaks = [where for where, text in logs.items() if secret in text]
+        assert not leaks, f"a secret shows in: {', '.join(leaks)}"
+    # The guest's worker did log its broker, redacted (Celery's banner).
+    assert f"redis://:**@{HOST_ALIAS}:{two_hosts.control.redis.port}/0" in two_hosts.guest_journal
+    # The settings (the broker's password) and the S3 credentials: root writes them, the
+    # worker's account reads them, nobody else.
+    modes = two_hosts.host.guest.run(
+        "stat -c '%a %U %G' /etc/ouroboros/ouroboros.env /etc/ouroboros/credentials/s3-writer.ini"
+    ).stdout.split("\n")
+    assert modes[:2] == ["640 root ouroboros"] * 2
+
+
+def test_a_guest_powered_off_mid_life_leaves_its_lineage_to_the_host(
+    two_hosts: TwoHosts,
+) -> None:
+    fleet, guest = two_hosts.control.fleet, two_hosts.host.guest
+    # The host's worker steps aside, so that the guest's takes the napper's job.
+    two_hosts.workers[0].stop()
+    fleet.ok("run", NAPPER, "--generations", "2")
+    redis_client = two_hosts.control.redis.client
+    lease = wait_for(
+        lambda: redis_client.get(f"ouroboros:lease:{NAPPER}"), 600, "the napper's lease"
+    )
+    assert lease.decode().startswith("ouroboros-guest:"), lease
+    wait_for(
+        lambda: guest.run("pgrep -u ouroboros -x bwrap", check=False).returncode == 0,
+        300,
+        "the napper's life to run in the guest",
+        interval=1,
+    )
+    two_hosts.guests.close()
+    powered_off = time.monotonic()
+    assert landed(two_hosts.control, NAPPER).subjects == []
+    heir = Worker(fleet, "heir", concurrency=2)
+    two_hosts.workers.append(heir)
+    heir.wait_ready()
+    wait_for(
+        lambda: len(two_hosts.control.observation_numbers(NAPPER)) == 2,
+        LEASE_SECONDS + 2 * NAPPER_SECONDS + 600,
+        "the host's worker to finish the napper's run",
+        interval=1,
+    )
+    two_hosts.guests.report(
+        f"vm second host: the run the guest lost finished on the host"
+        f" {time.monotonic() - powered_off:.0f} s after the power-off"
+    )
+    found = landed(two_hosts.control, NAPPER)
+    assert_exactly_once(found, 2, NAPPER)
+    assert {o["provenance"]["worker_host"] for o in found.observations} == {socket.gethostname()}
+    assert f"{NAPPER} gen 2: changed" in heir.text()
