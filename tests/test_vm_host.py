@@ -22,7 +22,30 @@ once with ``OUROBOROS_CEILING=cgroup2`` in the subtree the service's
 systemd from bookworm-backports) takes another boot, more than the CI's budget
 leaves: ``OUROBOROS_VM_RUNS=backports-systemd`` runs it instead of the default.
 
-The guest has no network but its forwarded ssh port; the Python packages come
+Then the same guest becomes the fleet's second host (``vm_fleet``): its worker is
+configured as an operator configures one, for the services this host runs on
+loopback ports only the guest's forwarded connections reach: a Redis that wants a
+password, moto's S3, and the shared bare repository over ssh (an sshd of the
+test's, key-only, each key forced to fetch and push of that repository). A
+worker on this host serves the same queue, and:
+
+* both workers serve ``gen.<fingerprint12>`` of the instrument this checkout is;
+* six lineages of three generations each, run across both, land every
+  generation once, in order, on a linear branch, each with one observation in
+  the bucket that names its commit and its parent, and each host lived some (the
+  observation's ``worker_host``);
+* the broker's password and the S3 secret show in no command line (``ps`` on
+  either side while the lives ran) and no log (the guest's journal, this host's
+  worker, reconciler, Redis and sshd); the guest logs its broker redacted, and its
+  settings and S3 credentials are 0640 root:ouroboros;
+* the guest powered off (QEMU killed) while it lives a lineage's generation: the
+  lineage's lease expires, the reconciler re-enqueues it, and the worker on this
+  host lives that generation and the next, each once, both observed as its own.
+
+That last test ends the guest: it runs last.
+
+The guest has no network but its forwarded ssh port and the ports of this host's
+fleet services; the Python packages come
 built into the image (scripts/vm-image.sh), their installation in a cached layer
 over it (``vm_guest.fleet_layer``), the source is copied in over ssh. It holds
 the machine-wide lock (``machine_to_itself``): TCG needs the machine's cores.
@@ -36,7 +59,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +68,7 @@ from typing import Any, NamedTuple
 
 import pytest
 from lineage_support import Worker, seed_file, wait_for
-from test_fleet import SLOW, WRITES_STATE
+from test_fleet import SLOW, WRITES_STATE, background
 from test_sandbox import PRELUDE
 from test_sandbox_identity import WALLS, elisp
 from vm_fleet import LEASE_SECONDS, ControlHost, Landed, join, landed
@@ -434,15 +456,7 @@ def two_hosts(guests: Guests, control_host: ControlHost) -> Iterator[TwoHosts]:
     queue = "gen." + meta["instrument_fingerprint"][:12]
     workers = [Worker(fleet, "host", concurrency=2)]
     reconciler_log = fleet.home / "reconciler.log"
-    with reconciler_log.open("wb") as sink:
-        reconciler = subprocess.Popen(
-            [sys.executable, "-m", "scheduler", "reconcile", "--loop"],
-            env=fleet.env,
-            cwd=fleet.home,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    reconciler = background(fleet, "reconcile", "--loop", log=reconciler_log)
     try:
         workers[0].wait_ready()
         app = client_app(Settings(broker_url=control_host.redis.url("127.0.0.1")))
