@@ -397,10 +397,12 @@ def test_the_life_is_its_own_unprivileged_uid_and_proc_sys_is_read_only(
 # of all: it ends the guest's life, and a test after it would boot another.
 FLEET_NAMES = [f"shared-{n}" for n in range(1, 7)]
 FLEET_GENERATIONS = 3
-# The lineage whose life the guest is living when it loses power: long enough to be
-# caught in the act over ssh, short enough for the host's worker to live it again.
+# The lineage whose life the guest is living when it loses power. Its first life (no
+# state.el yet) sleeps: long enough to be caught in the act over ssh, short enough
+# for the host's worker to live it again; the next ones do not.
 NAPPER = "napper"
-NAPPER_SECONDS = 20
+NAPPER_SECONDS = 15
+NAPS_ONCE = f'(unless (file-exists-p "/work/state.el") (sleep-for {NAPPER_SECONDS}))\n'
 GUEST_WORKER = "ouroboros-worker@ouroboros-guest"
 
 
@@ -441,7 +443,7 @@ def two_hosts(guests: Guests, control_host: ControlHost) -> Iterator[TwoHosts]:
     host = guests.host(*RUNS[-1])
     fleet = control_host.fleet
     seed = seed_file(fleet.home, SLOW.format(seconds=0.5) + WRITES_STATE, "shared.el")
-    napper = seed_file(fleet.home, SLOW.format(seconds=NAPPER_SECONDS) + WRITES_STATE, "nap.el")
+    napper = seed_file(fleet.home, NAPS_ONCE + WRITES_STATE, "nap.el")
     physics = ["--wall", "120", "--cpu-seconds", "60", "--memory-max", "512M"]
     with ThreadPoolExecutor(1) as pool:
         created = pool.submit(
@@ -450,7 +452,7 @@ def two_hosts(guests: Guests, control_host: ControlHost) -> Iterator[TwoHosts]:
                 + [fleet.ok("init", NAPPER, "--seed", str(napper), *physics)]
             )
         )
-        join(host, control_host)
+        configured = join(host, control_host)
         created.result()
     meta = json.loads(fleet.show(FLEET_NAMES[0], ".ouroboros-lineage.json"))
     queue = "gen." + meta["instrument_fingerprint"][:12]
@@ -480,8 +482,9 @@ def two_hosts(guests: Guests, control_host: ControlHost) -> Iterator[TwoHosts]:
             run.result()
         lived = time.monotonic() - started - joined
         guests.report(
-            f"vm second host: joined (lineages created, guest configured, its worker"
-            f" restarted and serving) in {joined:.0f} s; {len(FLEET_NAMES)} x"
+            f"vm second host: joined in {joined:.0f} s (guest configured {configured[0]:.0f} s,"
+            f" install.sh {configured[1]:.0f} s, its worker serving"
+            f" {joined - sum(configured):.0f} s later); {len(FLEET_NAMES)} x"
             f" {FLEET_GENERATIONS} generations across both hosts in {lived:.0f} s"
         )
         yield TwoHosts(
@@ -570,6 +573,9 @@ def test_a_guest_powered_off_mid_life_leaves_its_lineage_to_the_host(
         lambda: redis_client.get(f"ouroboros:lease:{NAPPER}"), 600, "the napper's lease"
     )
     assert lease.decode().startswith("ouroboros-guest:"), lease
+    # The guest holds the job now: a worker here may start meanwhile.
+    heir = Worker(fleet, "heir", concurrency=2)
+    two_hosts.workers.append(heir)
     wait_for(
         lambda: guest.run("pgrep -u ouroboros -x bwrap", check=False).returncode == 0,
         300,
@@ -579,12 +585,10 @@ def test_a_guest_powered_off_mid_life_leaves_its_lineage_to_the_host(
     two_hosts.guests.close()
     powered_off = time.monotonic()
     assert landed(two_hosts.control, NAPPER).subjects == []
-    heir = Worker(fleet, "heir", concurrency=2)
-    two_hosts.workers.append(heir)
     heir.wait_ready()
     wait_for(
         lambda: len(two_hosts.control.observation_numbers(NAPPER)) == 2,
-        LEASE_SECONDS + 2 * NAPPER_SECONDS + 600,
+        LEASE_SECONDS + NAPPER_SECONDS + 600,
         "the host's worker to finish the napper's run",
         interval=1,
     )

@@ -28,6 +28,7 @@ import json
 import secrets
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -270,15 +271,17 @@ class ControlHost:
         self.redis.stop()
 
 
-def join(host: Host, control: ControlHost) -> None:
+def join(host: Host, control: ControlHost) -> tuple[float, float]:
     """The guest's fleet pointed at ``control``'s services, and its worker restarted.
 
     As an operator does it (deploy/README.md, "Sandbox hosts under systemd"): the
     settings, the S3 credential file, the worker's key authorized on the git server
     and the server's key pinned in the worker's known_hosts, then install.sh again,
     which writes the credential's LoadCredential= line and restarts the worker.
-    Every secret travels on ssh's stdin.
+    Every secret travels on ssh's stdin. Returns the seconds the configuration and
+    install.sh took.
     """
+    started = time.monotonic()
     guest = host.guest
     control.sshd.authorize(guest.run(f"cat {GUEST_KEY}").stdout)
     guest.run(
@@ -290,7 +293,9 @@ def join(host: Host, control: ControlHost) -> None:
         input=f"[default]\naws_access_key_id = {S3_KEY_ID}\naws_secret_access_key = {S3_SECRET}\n",
     )
     host.set_settings(control.guest_settings())
+    configured = time.monotonic()
     host.reinstall()
+    return configured - started, time.monotonic() - configured
 
 
 class Landed(NamedTuple):
