@@ -196,6 +196,13 @@ class ControlHost:
 
     def __init__(self, scratch: Path, s3_endpoint: str) -> None:
         self.redis = PasswordRedis(scratch / "redis")
+        try:
+            self._start(scratch, s3_endpoint)
+        except BaseException:
+            self.redis.stop()
+            raise
+
+    def _start(self, scratch: Path, s3_endpoint: str) -> None:
         self.s3_endpoint = s3_endpoint
         self.bucket = f"vm-fleet-{secrets.token_hex(6)}"
         self.s3 = boto3.client(
@@ -222,11 +229,7 @@ class ControlHost:
             AWS_CONFIG_FILE="/dev/null",
             AWS_SHARED_CREDENTIALS_FILE="/dev/null",
         )
-        try:
-            self.sshd = GitSshd(scratch / "sshd", self.fleet.repo)
-        except BaseException:
-            self.redis.stop()
-            raise
+        self.sshd = GitSshd(scratch / "sshd", self.fleet.repo)
 
     @property
     def ports(self) -> tuple[int, ...]:
