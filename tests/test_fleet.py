@@ -10,6 +10,7 @@ observation objects.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -45,15 +46,17 @@ def start(fleet: Fleet, workers: list[Worker], name: str, *extra_args: str, **en
     return worker
 
 
-def background(fleet: Fleet, *args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "scheduler", *args],
-        env=fleet.env,
-        cwd=fleet.home,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+def background(fleet: Fleet, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """``schedule-lineage ARGS`` in the background, its output in ``log`` (or nowhere)."""
+    with (log or Path(os.devnull)).open("wb") as sink:
+        return subprocess.Popen(
+            [sys.executable, "-m", "scheduler", *args],
+            env=fleet.env,
+            cwd=fleet.home,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def generations(fleet: Fleet, lineage: str) -> list[str]:
@@ -154,15 +157,7 @@ def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
     fleet.ok("init", "patient", "--seed", str(seed), *SMALL_PHYSICS)
     worker = start(fleet, workers, "w1")
     reconciler_log = tmp_path / "reconciler.log"
-    with reconciler_log.open("wb") as sink:
-        reconciler = subprocess.Popen(
-            [sys.executable, "-m", "scheduler", "reconcile", "--loop"],
-            env=fleet.env,
-            cwd=fleet.home,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    reconciler = background(fleet, "reconcile", "--loop", log=reconciler_log)
     fleet.ok("run", "patient", "--generations", "3")
     switch.down()
     try:

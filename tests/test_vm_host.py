@@ -22,7 +22,30 @@ once with ``OUROBOROS_CEILING=cgroup2`` in the subtree the service's
 systemd from bookworm-backports) takes another boot, more than the CI's budget
 leaves: ``OUROBOROS_VM_RUNS=backports-systemd`` runs it instead of the default.
 
-The guest has no network but its forwarded ssh port; the Python packages come
+Then the same guest becomes the fleet's second host (``vm_fleet``): its worker is
+configured as an operator configures one, for the services this host runs on
+loopback ports only the guest's forwarded connections reach: a Redis that wants a
+password, moto's S3, and the shared bare repository over ssh (an sshd of the
+test's, key-only, each key forced to fetch and push of that repository). A
+worker on this host serves the same queue, and:
+
+* both workers serve ``gen.<fingerprint12>`` of the instrument this checkout is;
+* six lineages of three generations each, run across both, land every
+  generation once, in order, on a linear branch, each with one observation in
+  the bucket that names its commit and its parent, and each host lived some (the
+  observation's ``worker_host``);
+* the broker's password and the S3 secret show in no command line (``ps`` on
+  either side while the lives ran) and no log (the guest's journal, this host's
+  worker, reconciler, Redis and sshd); the guest logs its broker redacted, and its
+  settings and S3 credentials are 0640 root:ouroboros;
+* the guest powered off (QEMU killed) while it lives a lineage's generation: the
+  lineage's lease expires, the reconciler re-enqueues it, and the worker on this
+  host lives that generation and the next, each once, both observed as its own.
+
+That last test ends the guest: it runs last.
+
+The guest has no network but its forwarded ssh port and the ports of this host's
+fleet services; the Python packages come
 built into the image (scripts/vm-image.sh), their installation in a cached layer
 over it (``vm_guest.fleet_layer``), the source is copied in over ssh. It holds
 the machine-wide lock (``machine_to_itself``): TCG needs the machine's cores.
@@ -35,20 +58,40 @@ entrypoint, the cgroup2 driver's lives pass the same checks.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import socket
+import subprocess
 import tarfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from lineage_support import Worker, seed_file, wait_for
+from test_fleet import SLOW, WRITES_STATE, background
 from test_sandbox import PRELUDE
 from test_sandbox_identity import WALLS, elisp
 from vm_container import CGROUP, ContainerHost
 from vm_container import NAME as CONTAINER_NAME
-from vm_guest import WORKER_UNIT, Guest, Host, build_image, fleet_layer, install_fleet
+from vm_fleet import LEASE_SECONDS, ControlHost, Landed, join, landed
+from vm_guest import (
+    HOST_ALIAS,
+    WORKER_UNIT,
+    Guest,
+    Host,
+    build_image,
+    fleet_layer,
+    install_fleet,
+)
+
+from scheduler.liveness import ask
+from worker.fleet.app import client_app
+from worker.fleet.settings import Settings
+from worker.instrument.fingerprint import current
 
 pytestmark = [
     pytest.mark.vm,
@@ -141,9 +184,15 @@ class Guests:
     Python start.
     """
 
-    def __init__(self, scratch: pytest.TempPathFactory, report: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        scratch: pytest.TempPathFactory,
+        report: Callable[[str], None],
+        host_ports: tuple[int, ...] = (),
+    ) -> None:
         self.scratch = scratch
         self.report = report
+        self.host_ports = host_ports
         self.flavour: str | None = None
         self.driver: str | None = None
         self.guest: Guest | None = None
@@ -169,7 +218,9 @@ class Guests:
         started = time.monotonic()
         layer = fleet_layer(image, self.scratch.mktemp(f"vm-{flavour}-layer"))
         times["layer"] = time.monotonic() - started
-        guest = self.guest = Guest(image, self.scratch.mktemp(f"vm-{flavour}"), layer=layer)
+        guest = self.guest = Guest(
+            image, self.scratch.mktemp(f"vm-{flavour}"), self.host_ports, layer=layer
+        )
         self.flavour = flavour
         times["boot"] = guest.boot()
         started = time.monotonic()
@@ -211,13 +262,27 @@ class Lives(NamedTuple):
 
 
 @pytest.fixture(scope="module")
+def control_host(
+    machine_to_itself: None, s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ControlHost]:
+    """The fleet's services on this host: up before a guest boots, which can reach only
+    the ports it was started with."""
+    control = ControlHost(tmp_path_factory.mktemp("vm-control"), s3_endpoint)
+    try:
+        yield control
+    finally:
+        control.stop()
+
+
+@pytest.fixture(scope="module")
 def guests(
     machine_to_itself: None,
+    control_host: ControlHost,
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Guests]:
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    pool = Guests(tmp_path_factory, reporter.write_line if reporter else print)
+    pool = Guests(tmp_path_factory, reporter.write_line if reporter else print, control_host.ports)
     try:
         yield pool
     finally:
@@ -445,3 +510,212 @@ def test_the_unprivileged_worker_moved_the_containers_processes_to_a_leaf(
     worker_uid = int(container.lives.host.guest.run("id -u ouroboros").stdout)
     celery = [uid for uid, args in container.leaf if "celery" in args]
     assert celery and set(celery) == {worker_uid}, container.leaf
+
+
+# The guest as a second fleet host. These come last in the module, the power-off last
+# of all: it ends the guest's life, and a test after it would boot another.
+FLEET_NAMES = [f"shared-{n}" for n in range(1, 7)]
+FLEET_GENERATIONS = 3
+# The lineage whose life the guest is living when it loses power. Its first life (no
+# state.el yet) sleeps: long enough to be caught in the act over ssh, short enough
+# for the host's worker to live it again; the next ones do not.
+NAPPER = "napper"
+NAPPER_SECONDS = 15
+NAPS_ONCE = f'(unless (file-exists-p "/work/state.el") (sleep-for {NAPPER_SECONDS}))\n'
+GUEST_WORKER = "ouroboros-worker@ouroboros-guest"
+
+
+class TwoHosts(NamedTuple):
+    """The guest joined to the host's fleet, after the shared lineages' run."""
+
+    control: ControlHost
+    host: Host
+    guests: Guests
+    workers: list[Worker]
+    queue: str
+    serving: list[str]
+    found: dict[str, Landed]
+    reconciler_log: Path
+    # What ``ps`` showed on either side while the run went on, and the guest's journal.
+    host_ps: str
+    guest_ps: str
+    guest_journal: str
+
+
+def ps() -> str:
+    return subprocess.run(
+        ["ps", "-e", "-ww", "-o", "args="], capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.fixture(scope="module")
+def two_hosts(guests: Guests, control_host: ControlHost) -> Iterator[TwoHosts]:
+    """The last guest booted joins the fleet; both hosts' workers run FLEET_NAMES.
+
+    The host's worker is a real Celery worker as the fleet tests start them, on the
+    repository's local path; the guest's is its ``ouroboros-worker.service``, on the
+    same repository over ssh. Each lineage was created here, so its queue is the
+    checkout's instrument: the guest serves it only if its installed release is
+    the same instrument.
+    """
+    started = time.monotonic()
+    host = guests.host(*RUNS[-1])
+    fleet = control_host.fleet
+    seed = seed_file(fleet.home, SLOW.format(seconds=0.5) + WRITES_STATE, "shared.el")
+    napper = seed_file(fleet.home, NAPS_ONCE + WRITES_STATE, "nap.el")
+    physics = ["--wall", "120", "--cpu-seconds", "60", "--memory-max", "512M"]
+    with ThreadPoolExecutor(1) as pool:
+        created = pool.submit(
+            lambda: (
+                [fleet.ok("init", name, "--seed", str(seed), *physics) for name in FLEET_NAMES]
+                + [fleet.ok("init", NAPPER, "--seed", str(napper), *physics)]
+            )
+        )
+        configured = join(host, control_host)
+        created.result()
+    meta = json.loads(fleet.show(FLEET_NAMES[0], ".ouroboros-lineage.json"))
+    queue = "gen." + meta["instrument_fingerprint"][:12]
+    workers = [Worker(fleet, "host", concurrency=2)]
+    reconciler_log = fleet.home / "reconciler.log"
+    reconciler = background(fleet, "reconcile", "--loop", log=reconciler_log)
+    try:
+        workers[0].wait_ready()
+        app = client_app(Settings(broker_url=control_host.redis.url("127.0.0.1")))
+
+        def both_serve() -> list[str]:
+            serving = ask(app, timeout=2).serving(queue)
+            return serving if GUEST_WORKER in serving and len(serving) > 1 else []
+
+        serving = wait_for(both_serve, 900, f"both hosts' workers to serve {queue}", interval=2)
+        joined = time.monotonic() - started
+        with ThreadPoolExecutor(1) as pool:
+            run = pool.submit(
+                fleet.ok, "run", *FLEET_NAMES, "--generations", str(FLEET_GENERATIONS),
+                "--wait", timeout=2400,
+            )  # fmt: skip
+            host_ps, guest_ps = [], []
+            while not run.done():
+                host_ps.append(ps())
+                guest_ps.append(host.guest.run("ps -e -ww -o args=").stdout)
+                time.sleep(5)
+            run.result()
+        lived = time.monotonic() - started - joined
+        guests.report(
+            f"vm second host: joined in {joined:.0f} s (guest configured {configured[0]:.0f} s,"
+            f" install.sh {configured[1]:.0f} s, its worker serving"
+            f" {joined - sum(configured):.0f} s later); {len(FLEET_NAMES)} x"
+            f" {FLEET_GENERATIONS} generations across both hosts in {lived:.0f} s"
+        )
+        yield TwoHosts(
+            control=control_host,
+            host=host,
+            guests=guests,
+            workers=workers,
+            queue=queue,
+            serving=serving,
+            found={name: landed(control_host, name) for name in FLEET_NAMES},
+            reconciler_log=reconciler_log,
+            host_ps="\n".join(host_ps),
+            guest_ps="\n".join(guest_ps),
+            guest_journal=host.guest.run("journalctl --no-pager -o cat").stdout,
+        )
+    finally:
+        reconciler.kill()
+        reconciler.wait()
+        for worker in workers:
+            worker.stop()
+
+
+def assert_exactly_once(found: Landed, count: int, lineage: str) -> None:
+    """Generations 1..count, each once, in order, on a linear branch; one observation each."""
+    numbered = [s.split(":")[0] for s in found.subjects]
+    assert numbered == [f"gen {n}" for n in range(1, count + 1)], lineage
+    assert all(len(parents) == 1 for parents in found.parents), found.parents
+    assert [p[0] for p in found.parents[1:]] == found.commits[:-1]
+    assert [o["generation"] for o in found.observations] == list(range(1, count + 1))
+    for observation, commit, parents in zip(
+        found.observations, found.commits, found.parents, strict=True
+    ):
+        assert observation["lineage_commit"] == commit
+        assert observation["parent_commit"] == parents[0]
+
+
+def test_both_hosts_serve_the_queue_of_the_same_instrument(two_hosts: TwoHosts) -> None:
+    assert two_hosts.queue == current().queue
+    assert GUEST_WORKER in two_hosts.serving
+    assert f"host@{socket.gethostname()}" in two_hosts.serving
+
+
+def test_lineages_advance_across_both_hosts_exactly_once(two_hosts: TwoHosts) -> None:
+    lived_on: dict[str, int] = {}
+    for name, found in two_hosts.found.items():
+        assert_exactly_once(found, FLEET_GENERATIONS, name)
+        for observation in found.observations:
+            where = observation["provenance"]["worker_host"]
+            lived_on[where] = lived_on.get(where, 0) + 1
+    # Both hosts lived some: each observation names the host its worker ran on.
+    assert set(lived_on) == {socket.gethostname(), "ouroboros-guest"}, lived_on
+    assert sum(lived_on.values()) == len(FLEET_NAMES) * FLEET_GENERATIONS
+
+
+def test_secrets_stay_out_of_command_lines_and_logs(two_hosts: TwoHosts) -> None:
+    logs = {
+        **{path.name: path.read_text(errors="replace") for path in two_hosts.control.logs},
+        "host worker": two_hosts.workers[0].text(),
+        "reconciler": two_hosts.reconciler_log.read_text(errors="replace"),
+        "guest journal": two_hosts.guest_journal,
+        "ps on the host": two_hosts.host_ps,
+        "ps in the guest": two_hosts.guest_ps,
+    }
+    for secret in two_hosts.control.secrets:
+        leaks = [where for where, text in logs.items() if secret in text]
+        assert not leaks, f"a secret shows in: {', '.join(leaks)}"
+    # The guest's worker did log its broker, redacted (Celery's banner).
+    assert f"redis://:**@{HOST_ALIAS}:{two_hosts.control.redis.port}/0" in two_hosts.guest_journal
+    # The settings (the broker's password) and the S3 credentials: root writes them, the
+    # worker's account reads them, nobody else.
+    modes = two_hosts.host.guest.run(
+        "stat -c '%a %U %G' /etc/ouroboros/ouroboros.env /etc/ouroboros/credentials/s3-writer.ini"
+    ).stdout.split("\n")
+    assert modes[:2] == ["640 root ouroboros"] * 2
+
+
+def test_a_guest_powered_off_mid_life_leaves_its_lineage_to_the_host(
+    two_hosts: TwoHosts,
+) -> None:
+    fleet, guest = two_hosts.control.fleet, two_hosts.host.guest
+    # The host's worker steps aside, so that the guest's takes the napper's job.
+    two_hosts.workers[0].stop()
+    fleet.ok("run", NAPPER, "--generations", "2")
+    redis_client = two_hosts.control.redis.client
+    lease = wait_for(
+        lambda: redis_client.get(f"ouroboros:lease:{NAPPER}"), 600, "the napper's lease"
+    )
+    assert lease.decode().startswith("ouroboros-guest:"), lease
+    # The guest holds the job now: a worker here may start meanwhile.
+    heir = Worker(fleet, "heir", concurrency=2)
+    two_hosts.workers.append(heir)
+    wait_for(
+        lambda: guest.run("pgrep -u ouroboros -x bwrap", check=False).returncode == 0,
+        300,
+        "the napper's life to run in the guest",
+        interval=1,
+    )
+    two_hosts.guests.close()
+    powered_off = time.monotonic()
+    assert landed(two_hosts.control, NAPPER).subjects == []
+    heir.wait_ready()
+    wait_for(
+        lambda: len(two_hosts.control.observation_numbers(NAPPER)) == 2,
+        LEASE_SECONDS + NAPPER_SECONDS + 600,
+        "the host's worker to finish the napper's run",
+        interval=1,
+    )
+    two_hosts.guests.report(
+        f"vm second host: the run the guest lost finished on the host"
+        f" {time.monotonic() - powered_off:.0f} s after the power-off"
+    )
+    found = landed(two_hosts.control, NAPPER)
+    assert_exactly_once(found, 2, NAPPER)
+    assert {o["provenance"]["worker_host"] for o in found.observations} == {socket.gethostname()}
+    assert f"{NAPPER} gen 2: changed" in heir.text()

@@ -27,13 +27,10 @@ Trusts QEMU and the image; the guest itself is a test subject.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -47,6 +44,7 @@ HOST_ALIAS = "10.0.2.100"
 MEMORY_MIB = 2048
 CPUS = 2
 WORKER_UNIT = "ouroboros-worker.service"
+ENV_FILE = "/etc/ouroboros/ouroboros.env"
 # The dependencies' bytecode, compiled into the account's checked cache as a layer is
 # built; the layer's name carries a hash of it, so a layer built otherwise is not reused.
 COMPILE_DEPENDENCIES = (
@@ -196,8 +194,8 @@ class Guest:
         """Pull the plug: QEMU ends at once, with nothing in the guest told."""
         if self.process is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.process.pid, signal.SIGKILL)
+        # Popen.kill signals only a process it has not reaped: a second call is harmless.
+        self.process.kill()
         self.process.wait(timeout)
 
     def shut_down(self, timeout: float = 180) -> bool:
@@ -256,9 +254,24 @@ class Host:
 
     def set_setting(self, name: str, value: str) -> None:
         """``name`` set to ``value`` in the worker's settings (read when it starts)."""
+        self.set_settings({name: value})
+
+    def set_settings(self, values: dict[str, str]) -> None:
+        """Each of ``values`` set in the worker's settings, as an operator edits the file.
+
+        The file travels on ssh's stdin, never in a command line: a value may be a
+        secret (the broker URL's password), and ``ps`` on either side would show it.
+        It keeps the mode and owner install.sh gives it.
+        """
+        lines = [
+            line
+            for line in self.guest.run(f"cat {ENV_FILE}").stdout.splitlines()
+            if line.partition("=")[0] not in values
+        ]
+        lines += [f"{name}={value}" for name, value in values.items()]
         self.guest.run(
-            f"sed -i '/^{name}=/d' /etc/ouroboros/ouroboros.env && "
-            f"echo {name}={value} >>/etc/ouroboros/ouroboros.env"
+            f"install -m 0640 -o root -g ouroboros /dev/stdin {ENV_FILE}",
+            input="\n".join(lines) + "\n",
         )
 
     def set_ceiling(self, driver: str) -> None:
