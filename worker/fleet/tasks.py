@@ -100,16 +100,19 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         # (about 15 ms of CPU per generation, bench/bench_parallel.py).
         return leases.redis_client(settings, outlast_restart=True)
 
-    @cache
-    def main_planner() -> Planner:
-        # The main process's own, for the jobs it releases; pool children never use it.
+    def planner_on(client: redis.Redis) -> Planner:
         return Planner(
             settings=settings,
             store=observation_store(settings),
             cache=lineage_cache(settings),
-            client=main_client(),
+            client=client,
             send=sender(app),
         )
+
+    @cache
+    def main_planner() -> Planner:
+        # The main process's own, for the jobs it releases; pool children never use it.
+        return planner_on(main_client())
 
     @cache
     def pipeline() -> Pipeline:
@@ -117,13 +120,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
 
     @cache
     def planner() -> Planner:
-        return Planner(
-            settings=settings,
-            store=observation_store(settings),
-            cache=lineage_cache(settings),
-            client=child_client(),
-            send=sender(app),
-        )
+        return planner_on(child_client())
 
     @app.task(name=GENERATION_TASK, bind=True)
     def generation(self: Task, payload: object = None) -> str:
