@@ -79,9 +79,11 @@ def _orphan(client: redis.Redis, lineage: str, job_id: str, holder: str) -> None
     client.set(f"{leases.PREFIX}:lease:{lineage}", f"{holder}/0123", ex=600)
 
 
-def _this_host_and_boot() -> str:
-    """``host:boot``, as every lease token in Redis discloses it to a reader of Redis."""
-    return leases.holder_name().rsplit(":", 2)[0]
+def _forged_holder(pid: str) -> str:
+    """A holder of this host naming ``pid``: host, boot and the rest, as every lease
+    token in Redis discloses them to a reader of Redis."""
+    host, boot, _pid, _started, *rest = leases.holder_name().split(":")
+    return ":".join([host, boot, pid, "1", *rest])
 
 
 class Sweeper:
@@ -129,7 +131,7 @@ def test_a_forged_holder_record_does_not_kill_the_watch_thread(
 ) -> None:
     # The sweep dies on the forged record: from then on this worker renews no marker of
     # the jobs it prefetched and releases no dead holder on its host.
-    client.set(f"{leases.PREFIX}:holder:forged", f"job-x {_this_host_and_boot()}:{pid}:1", ex=600)
+    client.set(f"{leases.PREFIX}:holder:forged", f"job-x {_forged_holder(pid)}", ex=600)
     real = _name("real")
     time.sleep(2.5)
     _orphan(client, real, "job-1", _dead_holder())
