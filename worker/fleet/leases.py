@@ -5,17 +5,21 @@ generation runs (so a duplicated message does not run the same life twice), an
 in-flight marker set when a job is enqueued (so the reconciler does not enqueue a
 second one) and a blocked marker with the reason a lineage cannot advance here.
 
-A lease names its holder (host, boot, pid and the process's start time), so the
-redelivered copy of a job whose pool child was killed takes over the dead holder's
-lease at once instead of waiting for it to expire; a holder on another host is only
-ever outlived by its lease's expiry. Once a worker has fetched a job, the job's marker
-lives ``lease_seconds`` from then on, renewed by the worker while it holds the message
-(``keep_marker``) and by the lease's heartbeat while the life runs: a worker killed
-between fetching a job and starting it is noticed as soon as one that dies mid-life.
+A lease names its holder (host, boot, pid, the process's start time and its pid
+namespace), so the redelivered copy of a job whose pool child was killed takes over the dead
+holder's lease at once instead of waiting for it to expire; a holder on another host
+(or in another pid namespace of this one) is only ever outlived by its lease's expiry.
+Once a worker has fetched a job, the job's marker lives ``lease_seconds`` from then
+on, renewed by the worker while it holds the message (``keep_marker``) and by the
+lease's heartbeat while the life runs: a worker killed between fetching a job and
+starting it is noticed as soon as one that dies mid-life.
 Whoever keeps a marker alive (the main process that fetched the job, then the pool
 child living it) is named in a holder record beside it, so any process on the same
 host can see at once that the holder died and release its marker and lease
 (``release_dead_holders``) instead of waiting for them to expire.
+
+Trusts nothing it reads back: anyone who reaches Redis may write these keys, so a
+holder record whose names are not the fleet's is removed, never logged raw or planned.
 
 Correctness never rests on these: the compare-and-swap push and the write-once
 observation make a lost lease or marker harmless. Losing all of Redis loses only
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -38,6 +43,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from worker.fleet.settings import Settings
+from worker.instrument.names import LINEAGE_NAME_PATTERN
 
 PREFIX = "ouroboros"
 log = logging.getLogger("ouroboros.worker")
@@ -45,6 +51,12 @@ log = logging.getLogger("ouroboros.worker")
 # lands while Redis restarts still releases its lease and sends its follow-up, instead
 # of leaving its lineage to the lease's expiry and the reconciler's next pass.
 OUTLAST_RESTART = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=15)
+# What a holder record may hold, read back from a Redis anyone on the network may write:
+# the worker's own job ids (``lineage.commit12.hex``), Celery's uuids, and holder names.
+_JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
+_LINEAGE = re.compile(LINEAGE_NAME_PATTERN)
+# A pid is at most pid_max (2**22): seven digits.
+_PID = re.compile(r"[0-9]{1,7}")
 
 
 def redis_client(settings: Settings, *, outlast_restart: bool = False) -> redis.Redis:
@@ -87,16 +99,32 @@ def _boot_id() -> str:
         return "unknown-boot"
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace: two containers may share a hostname and a kernel."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "unknown-pidns"
+
+
 def holder_name(pid: int | None = None) -> str:
-    """This process as a lease holder: host, boot, pid and start time (a reused pid differs)."""
+    """This process as a lease holder: host, boot, pid, start time (a reused pid differs)
+    and pid namespace.
+
+    The namespace comes last: a worker of an earlier release on the same host reads
+    the first four fields only, and so still finds this holder alive.
+    """
     pid = pid or os.getpid()
-    return f"{socket.gethostname()}:{_boot_id()}:{pid}:{_start_time(pid)}"
+    return f"{socket.gethostname()}:{_boot_id()}:{pid}:{_start_time(pid)}:{_pid_namespace()}"
 
 
 def holder_dead(token: str) -> bool:
-    """True if ``token``'s holder ran on this host, since this boot, and is gone."""
-    host, boot, pid, started = [*token.rsplit("/", 1)[0].split(":"), "", "", "", ""][:4]
-    if host != socket.gethostname() or boot != _boot_id() or not pid.isdigit():
+    """True if ``token``'s holder ran on this host, since this boot, in this pid namespace,
+    and is gone. A holder this process cannot see (another pid namespace) is not dead."""
+    host, boot, pid, started, pidns = [*token.rsplit("/", 1)[0].split(":"), *[""] * 5][:5]
+    if (host, boot, pidns) != (socket.gethostname(), _boot_id(), _pid_namespace()):
+        return False
+    if not _PID.fullmatch(pid):
         return False
     return _start_time(int(pid)) != started
 
@@ -120,8 +148,11 @@ class Lease:
         "return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
     )
 
+    # Repeated after its reply was lost, the take-over finds the lease already its own.
     _TAKE_OVER = (
-        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "local current = redis.call('get', KEYS[1]) "
+        "if current == ARGV[2] then return 1 end "
+        "if current == ARGV[1] then "
         "return redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3]) end return 0"
     )
 
@@ -215,9 +246,24 @@ def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: 
     """Claim the lineage's single in-flight slot for ``job_id``; False if another job has it.
 
     Repeating it for the same ``job_id`` succeeds again and sets the expiry anew (a
-    retried command, or the claim made long once the job is sent).
+    retried command).
     """
     return bool(client.eval(_MARK, 1, f"{PREFIX}:inflight:{lineage}", job_id, ttl_seconds))
+
+
+_EXTEND = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
+)
+
+
+def extend_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> bool:
+    """Make ``job_id``'s claim (only if it still stands) expire ``ttl_seconds`` from now.
+
+    Never makes the claim anew: a job fetched, lived and cleared before its sender got
+    here is over, and a claim made for it would keep its lineage waiting for nothing.
+    """
+    return bool(client.eval(_EXTEND, 1, f"{PREFIX}:inflight:{lineage}", job_id, ttl_seconds))
 
 
 def _marker_keys(lineage: str) -> tuple[str, str]:
@@ -296,13 +342,22 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
     released = []
     prefix = f"{PREFIX}:holder:"
     for key in client.scan_iter(f"{prefix}*"):
-        record = client.get(key)
+        try:
+            record = client.get(key)
+        except redis.ResponseError:  # not a string: nothing of the fleet wrote it
+            record = b""
         if record is None:
             continue
         job_id, _, holder = record.decode(errors="replace").partition(" ")
+        lineage = key.decode(errors="replace").removeprefix(prefix)
+        if not (_LINEAGE.fullmatch(lineage) and _JOB_ID.fullmatch(job_id) and holder.isprintable()):
+            # Written by someone else (anyone who reaches Redis can): its names must reach
+            # neither a log line raw nor the planner. Gone, it is reported once.
+            client.delete(key)
+            log.warning("removed a holder record that no worker wrote: %r", key)
+            continue
         if not holder_dead(holder):
             continue
-        lineage = key.decode(errors="replace").removeprefix(prefix)
         marker, _ = _marker_keys(lineage)
         lease = f"{PREFIX}:lease:{lineage}"
         if client.eval(_RELEASE_DEAD, 3, key, marker, lease, record, job_id, f"{holder}/"):

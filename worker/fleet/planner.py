@@ -211,7 +211,9 @@ class Planner:
         if not leases.mark_in_flight(self.client, job.lineage, job_id, self.settings.lease_seconds):
             return False
         self.send(job, job_id, queue_of(meta), hard_time_limit(meta), first)
-        leases.mark_in_flight(self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds)
+        leases.extend_in_flight(
+            self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds
+        )
         return True
 
     def enqueue(
