@@ -320,6 +320,8 @@ def _recover(planner: Callable[[], Planner], lineage: str) -> None:
             log.info("%s: re-enqueued after its holder died", lineage)
     except (StoreUnavailable, redis.RedisError, OperationalError, GitError, Refusal) as exc:
         log.warning("%s: cannot re-enqueue now (%s); the reconciler will", lineage, exc)
+    except Exception:  # in a pool thread whose future nobody reads: say it, or it is lost
+        log.exception("%s: re-enqueueing failed; the reconciler will", lineage)
 
 
 def _drain_forever(pipeline: Callable[[], Pipeline], settings: Settings) -> None:
