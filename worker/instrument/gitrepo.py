@@ -17,8 +17,8 @@ The shared repository is reached two ways:
   the expected head (absent for a new lineage), write the new head, unlock. A push
   whose expected head is stale, or whose lock another writer holds, fails. A lock
   file older than ``STALE_LOCK_SECONDS`` was left by a writer that died holding it
-  and is removed (``break_stale_lock``), here and in the cache, so a SIGKILL never
-  stops a lineage for good.
+  and is removed (``break_stale_lock``), so a SIGKILL never stops a lineage for good;
+  in the cache, a tracking ref's lock is broken after ``STALE_TRACKING_LOCK_SECONDS``.
 * any other URL (ssh) with the git binary: ``git fetch`` of the one branch and
   ``git push --force-with-lease`` with an explicit expected value, verified again by
   the receiving side's ref transaction.
@@ -49,13 +49,18 @@ from pygit2.enums import ObjectType, Option
 from worker.instrument.errors import Refusal
 from worker.instrument.names import BRANCH_PREFIX, generation_number
 
-FETCH_ATTEMPTS = 5
 # A writer holds a ref's lock file for the milliseconds of one compare-and-swap. One
 # this old was left by a writer that died holding it (SIGKILL, a lost host), and git
 # never removes it: every push after it would be a lost race and every generation
 # discarded, for ever. So a lock this old is broken (``break_stale_lock``). The margin
 # covers a writer stalled mid-swap and clocks of hosts sharing the repository over NFS.
 STALE_LOCK_SECONDS = 600
+# A tracking ref of a host's cache is written only by that host's processes, each
+# holding its lock for the microseconds of one write. One this old was left by a process
+# killed holding it (a pool child SIGKILLed mid-fetch): broken then, so the lineage goes
+# on within seconds on this host instead of failing there for STALE_LOCK_SECONDS. At
+# worst a breaker races a writer stalled this long, and the next fetch rewrites the ref.
+STALE_TRACKING_LOCK_SECONDS = 10
 # Beside the refs, never among them: git ignores a file of this name in a git directory.
 _LOCK_BREAKING = "ouroboros-lock-breaking"
 log = logging.getLogger(__name__)
@@ -249,9 +254,9 @@ def local_repository(url: str) -> Path | None:
     return Path(url)
 
 
-def break_stale_lock(git_dir: Path, ref: str) -> bool:
-    """Remove ``ref``'s lock file if it is older than ``STALE_LOCK_SECONDS``; whether the
-    lock is gone (broken here, or released meanwhile), so the caller may try again.
+def break_stale_lock(git_dir: Path, ref: str, stale_seconds: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``ref``'s lock file if it is older than ``stale_seconds``; whether the lock
+    is gone (broken here, or released meanwhile), so the caller may try again.
 
     Breakers take an exclusive flock in turn, so two that judged one lock stale never
     remove it one after the other (the second would remove a fresh lock a live writer
@@ -265,7 +270,7 @@ def break_stale_lock(git_dir: Path, ref: str) -> bool:
             age = time.time() - lock.lstat().st_mtime
         except FileNotFoundError:
             return True
-        if age < STALE_LOCK_SECONDS:
+        if age < stale_seconds:
             return False
         lock.unlink()
     log.warning("removed %s: %d seconds old, left by a writer that died holding it", lock, age)
@@ -398,7 +403,7 @@ class LineageCache:
             self._track(lineage, head)
             return head
         refspec = f"+{ref}:{self.tracking_ref(lineage)}"
-        for attempt in range(FETCH_ATTEMPTS):
+        for _ in self._tracking_attempts(lineage):
             result = self.git(
                 "fetch", "--quiet", "--no-tags", self.remote_url, refspec, check=False
             )
@@ -413,22 +418,35 @@ class LineageCache:
                     f"git fetch of {ref} failed: "
                     f"{result.stderr.decode(errors='replace').strip()[-500:]}"
                 )
-            # Another process of this host moved the same tracking ref meanwhile.
-            time.sleep(0.05 * (attempt + 1))
+            # "cannot lock ref": a process of this host holds the tracking ref's lock (or
+            # died holding it); try again.
         raise GitError(f"git fetch of {ref} kept losing its ref lock to other processes")
+
+    def _tracking_attempts(self, lineage: str) -> Iterator[None]:
+        """Attempts at writing ``lineage``'s tracking ref, for as long as its lock may still be
+        a live writer's; before each retry a lock left by a dead one is broken."""
+        ref = self.tracking_ref(lineage)
+        deadline = time.monotonic() + 2 * STALE_TRACKING_LOCK_SECONDS
+        attempt = 0
+        while True:
+            yield
+            attempt += 1
+            if time.monotonic() > deadline:
+                return
+            time.sleep(min(0.05 * attempt, 0.5))
+            break_stale_lock(self.git_dir, ref, STALE_TRACKING_LOCK_SECONDS)
 
     def _track(self, lineage: str, head: str) -> None:
         """Point the tracking ref at ``head`` (it keeps the fetched objects reachable)."""
         ref = self.tracking_ref(lineage)
-        for attempt in range(FETCH_ATTEMPTS):
+        for _ in self._tracking_attempts(lineage):
             try:
                 self.repo.references.create(ref, head, force=True)
                 return
             except (pygit2.GitError, OSError):
                 # libgit2's "failed to lock" is an OSError: another process of this host
                 # moves the same tracking ref meanwhile, or one died holding its lock.
-                break_stale_lock(self.git_dir, ref)
-                time.sleep(0.05 * (attempt + 1))
+                continue
         raise GitError(f"the tracking ref of {lineage} kept losing its lock to other processes")
 
     def ls_remote(self, *patterns: str) -> str:
