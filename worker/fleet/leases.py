@@ -251,19 +251,14 @@ def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: 
     return bool(client.eval(_MARK, 1, f"{PREFIX}:inflight:{lineage}", job_id, ttl_seconds))
 
 
-_EXTEND = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then "
-    "return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
-)
-
-
 def extend_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> bool:
     """Make ``job_id``'s claim (only if it still stands) expire ``ttl_seconds`` from now.
 
     Never makes the claim anew: a job fetched, lived and cleared before its sender got
     here is over, and a claim made for it would keep its lineage waiting for nothing.
     """
-    return bool(client.eval(_EXTEND, 1, f"{PREFIX}:inflight:{lineage}", job_id, ttl_seconds))
+    marker, _ = _marker_keys(lineage)
+    return bool(client.eval(Lease._RENEW, 1, marker, job_id, ttl_seconds))
 
 
 def _marker_keys(lineage: str) -> tuple[str, str]:
@@ -335,7 +330,8 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
 
     A worker killed after fetching a job, or a pool child killed mid-life, leaves both
     alive until they expire (``lease_seconds``); on its own host its death is certain at
-    once (``holder_dead``), and the reconciler's next pass re-enqueues the lineage.
+    once (``holder_dead``), and the caller re-enqueues the lineage (the worker's sweep
+    does so at once, else the reconciler's next pass).
     Returns (lineage, job id) of each job released. A holder on another host is left to
     expire: only its own host can tell it is gone.
     """
