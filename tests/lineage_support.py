@@ -353,34 +353,37 @@ class PrivateRedis:
 
     ``kill`` is a SIGKILL (a crash); ``start`` brings it back on the same port and
     directory, so with ``appendonly`` (fsync on every write) it comes back with its data.
+    With ``password`` every client must give it; it stays in the server's 0600
+    configuration file, never in a process argument.
     """
 
-    def __init__(self, directory: Path, *, appendonly: bool = False) -> None:
+    def __init__(
+        self, directory: Path, *, appendonly: bool = False, password: str | None = None
+    ) -> None:
         self.port = free_port()
         self.directory = directory
-        self.appendonly = appendonly
+        self.password = password
         directory.mkdir(parents=True, exist_ok=True)
-        self.log = (directory / "redis.log").open("ab")
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log_path = directory / "redis.log"
+        self.log = self.log_path.open("ab")
+        self.config = directory / "redis.conf"
+        self.config.touch(mode=0o600)
+        self.config.write_text(
+            f'port {self.port}\nbind 127.0.0.1\nsave ""\n'
+            f"appendonly {'yes' if appendonly else 'no'}\nappendfsync always\n"
+            f"dir {directory}\n" + (f"requirepass {password}\n" if password else "")
+        )
+        self.url = self.url_at("127.0.0.1")
         self.start()
+
+    def url_at(self, host: str) -> str:
+        """The broker URL of this server as a client at ``host`` reaches it."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{host}:{self.port}/0"
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "yes" if self.appendonly else "no",
-                "--appendfsync",
-                "always",
-                "--dir",
-                str(self.directory),
-            ],
+            ["redis-server", str(self.config)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -397,7 +400,8 @@ class PrivateRedis:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                 sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                # Up, and asking for the password this server requires: it answers.
+                return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

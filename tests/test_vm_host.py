@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+import redis
 from lineage_support import Worker, seed_file, wait_for
 from test_fleet import SLOW, WRITES_STATE, background
 from test_sandbox import PRELUDE
@@ -580,7 +581,7 @@ def two_hosts(guests: Guests, control_host: ControlHost) -> Iterator[TwoHosts]:
     reconciler = background(fleet, "reconcile", "--loop", log=reconciler_log)
     try:
         workers[0].wait_ready()
-        app = client_app(Settings(broker_url=control_host.redis.url("127.0.0.1")))
+        app = client_app(Settings(broker_url=control_host.redis.url))
 
         def both_serve() -> list[str]:
             serving = ask(app, timeout=2).serving(queue)
@@ -687,7 +688,7 @@ def test_a_guest_powered_off_mid_life_leaves_its_lineage_to_the_host(
     # The host's worker steps aside, so that the guest's takes the napper's job.
     two_hosts.workers[0].stop()
     fleet.ok("run", NAPPER, "--generations", "2")
-    redis_client = two_hosts.control.redis.client
+    redis_client = redis.Redis.from_url(two_hosts.control.redis.url, socket_timeout=10)
     lease = wait_for(
         lambda: redis_client.get(f"ouroboros:lease:{NAPPER}"), 600, "the napper's lease"
     )

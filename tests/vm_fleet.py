@@ -5,7 +5,7 @@ the guest of ``vm_guest`` (``ControlHost``), started before the guest boots, on
 free loopback ports, because QEMU forwards only the ports it was started with
 (``ControlHost.ports``, reached from the guest at ``vm_guest.HOST_ALIAS``):
 
-* a private redis-server that requires a password (``PasswordRedis``); the
+* a private redis-server that requires a password (``PrivateRedis``); the
   password is in its 0600 configuration file, never in a process argument;
 * the session's moto S3 server (tests/conftest.py), one bucket of its own;
 * the shared bare repository, served over ssh by an sshd of its own
@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import boto3
-import redis
-from lineage_support import Fleet, free_port, terminate, wait_for
+from lineage_support import Fleet, PrivateRedis, free_port, terminate, wait_for
 from vm_guest import HOST_ALIAS, Host
+
+from worker.instrument.keys import generation_key
 
 S3_REGION = "us-east-1"
 # moto takes any credentials; they are still treated as secrets (never in argv).
@@ -90,44 +91,6 @@ LogLevel VERBOSE
 # does not have: the test's sshd gets it on a /run of its own, in a mount namespace of
 # its own, so nothing on the host changes.
 PRIVATE_RUN = "mount -t tmpfs -o mode=0755,size=1m sshd-run /run && mkdir -m 0755 /run/sshd"
-
-
-class PasswordRedis:
-    """A throw-away redis-server on a free loopback port that requires a password."""
-
-    def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True)
-        self.port = free_port()
-        self.password = secrets.token_hex(16)
-        self.log_path = directory / "redis.log"
-        config = directory / "redis.conf"
-        config.touch(mode=0o600)
-        config.write_text(
-            f"port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\n"
-            f'save ""\nappendonly no\ndir {directory}\nlogfile {self.log_path}\n'
-        )
-        self.process = subprocess.Popen(
-            ["redis-server", str(config)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.client = redis.Redis(port=self.port, password=self.password, socket_timeout=10)
-        wait_for(self._pings, 20, "the password-protected redis-server", 0.1)
-
-    def _pings(self) -> bool:
-        if self.process.poll() is not None:
-            raise AssertionError(f"redis-server exited:\n{self.log_path.read_text()}")
-        try:
-            return bool(self.client.ping())
-        except redis.ConnectionError:
-            return False
-
-    def url(self, host: str) -> str:
-        return f"redis://:{self.password}@{host}:{self.port}/0"
-
-    def stop(self) -> None:
-        terminate(self.process)
 
 
 class GitSshd:
@@ -195,7 +158,7 @@ class ControlHost:
     """The fleet's shared services on this host, and the host's own CLI and worker settings."""
 
     def __init__(self, scratch: Path, s3_endpoint: str) -> None:
-        self.redis = PasswordRedis(scratch / "redis")
+        self.redis = PrivateRedis(scratch / "redis", password=secrets.token_hex(16))
         try:
             self._start(scratch, s3_endpoint)
         except BaseException:
@@ -217,7 +180,7 @@ class ControlHost:
         home.mkdir()
         self.fleet = Fleet(
             home,
-            OUROBOROS_BROKER_URL=self.redis.url("127.0.0.1"),
+            OUROBOROS_BROKER_URL=self.redis.url,
             OUROBOROS_OBSERVATIONS=f"s3://{self.bucket}/{OBSERVATIONS_PREFIX}",
             OUROBOROS_S3_ENDPOINT_URL=s3_endpoint,
             OUROBOROS_S3_REGION=S3_REGION,
@@ -249,7 +212,7 @@ class ControlHost:
         """What an operator writes in the guest's /etc/ouroboros/ouroboros.env to join."""
         s3_port = self.ports[1]
         return {
-            "OUROBOROS_BROKER_URL": self.redis.url(HOST_ALIAS),
+            "OUROBOROS_BROKER_URL": self.redis.url_at(HOST_ALIAS),
             "OUROBOROS_LINEAGE_REPO": self.sshd.url(HOST_ALIAS),
             "OUROBOROS_OBSERVATIONS": f"s3://{self.bucket}/{OBSERVATIONS_PREFIX}",
             "OUROBOROS_S3_ENDPOINT_URL": f"http://{HOST_ALIAS}:{s3_port}",
@@ -259,12 +222,12 @@ class ControlHost:
         }
 
     def observation(self, lineage: str, generation: int) -> dict[str, Any]:
-        key = f"{OBSERVATIONS_PREFIX}/lineages/{lineage}/generations/{generation:06d}.json"
+        key = f"{OBSERVATIONS_PREFIX}/{generation_key(lineage, generation)}"
         body = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         return json.loads(body)  # type: ignore[no-any-return]
 
     def observation_numbers(self, lineage: str) -> list[int]:
-        prefix = f"{OBSERVATIONS_PREFIX}/lineages/{lineage}/generations/"
+        prefix = f"{OBSERVATIONS_PREFIX}/{generation_key(lineage, 1).rsplit('/', 1)[0]}/"
         listing = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
         keys = [item["Key"] for item in listing.get("Contents", [])]
         return sorted(int(key.removeprefix(prefix).removesuffix(".json")) for key in keys)
