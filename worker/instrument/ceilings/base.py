@@ -196,9 +196,9 @@ def create_scope_dir(
 ) -> Path:
     """Create ``parent/ouroboros/name``; ``prepare`` readies ``parent/ouroboros`` first.
 
-    A concurrent close() may remove an empty ``ouroboros`` between our mkdir calls, or
-    while ``prepare`` writes to it, so a vanished parent is recreated a few times before
-    giving up.
+    A concurrent close() may remove an empty ``ouroboros`` between our mkdir calls,
+    within ``mkdir(exist_ok=True)`` itself, or while ``prepare`` writes to it, so a
+    vanished parent is recreated a few times before giving up.
     """
     base = parent / SCOPE_PARENT
     for _attempt in range(5):
@@ -213,6 +213,11 @@ def create_scope_dir(
         except CeilingError:
             if base.exists():
                 raise
+            continue
+        except FileExistsError as exc:
+            # mkdir(exist_ok=True) saw ``ouroboros`` exist, then not: removed in between.
+            if base.exists():
+                raise CeilingError(f"cannot create cgroup {base / name}: {exc}") from exc
             continue
         except OSError as exc:
             raise CeilingError(f"cannot create cgroup {base / name}: {exc}") from exc
