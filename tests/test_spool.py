@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from worker.fleet.assembly import build_pipeline
 from worker.fleet.settings import Settings
 from worker.instrument.index import add, read_index, segment_keys
 from worker.instrument.job import GenerationJob
+from worker.instrument.pipeline import Pipeline
 from worker.instrument.records import Observation
 from worker.instrument.spool import ORPHAN_SECONDS, TEMP_PREFIX, Spool
 
@@ -162,3 +164,42 @@ def test_a_directory_among_the_temp_names_does_not_stop_the_sweep(tmp_path: Path
         os.utime(path, (old, old))
     assert spool.sweep_orphans() == 1
     assert stray.is_dir() and not orphan.exists()
+
+
+def test_a_journal_kept_in_memory_never_hides_a_generation_another_process_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One process keeps the journal it committed last; a second process lives the next
+    # generation; the first must then build on the second's journal, not its own.
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "relay", *SMALL_PHYSICS)
+    monkeypatch.chdir(tmp_path)
+    first, second = build_pipeline(settings_for(fleet)), build_pipeline(settings_for(fleet))
+    read: list[str] = []
+    cat_blobs = first.cache.cat_blobs
+
+    def counted(shas: Iterable[str]) -> dict[str, bytes]:
+        wanted = list(shas)
+        read.extend(wanted)
+        return cat_blobs(wanted)
+
+    monkeypatch.setattr(first.cache, "cat_blobs", counted)
+
+    def live(pipeline: Pipeline) -> None:
+        head = pipeline.head("relay")
+        pipeline.run(GenerationJob(lineage="relay", expected_commit=head, provider="scripted"))
+
+    live(first)
+    journal_of_gen_1 = fleet.git("rev-parse", "lineage-relay:journal.md").strip()
+    read.clear()
+    live(first)
+    assert journal_of_gen_1 not in read  # taken from memory, not inflated again
+    live(second)
+    journal_of_gen_3 = fleet.git("rev-parse", "lineage-relay:journal.md").strip()
+    read.clear()
+    live(first)
+    assert journal_of_gen_3 in read
+    journal = fleet.show("relay", "journal.md")
+    assert [line.split(" — ")[0] for line in journal.splitlines() if line.startswith("## ")] == [
+        f"## gen {n}" for n in range(1, 5)
+    ]
