@@ -4,13 +4,16 @@ sender, can make a worker's recovery machinery do.
 Each test stages the keys an attacker (anyone who can reach the fleet's Redis) or a
 fault leaves, on a private redis-server (``PrivateRedis``), and runs the worker's own
 code on them: ``leases.release_dead_holders``, the main process's watch loop
-(``worker.fleet.tasks._watch_markers``) and the planner's ``submit``. The planner runs
-on the real repository and file store of ``test_fleet_rules``'s rig.
+(``worker.fleet.tasks._watch_markers``), the planner's ``submit`` and ``reconcile``, and
+the scheduler's ``status``. The planner runs on the real repository and file store of
+``test_fleet_rules``'s rig. The keys of another Redis type than the fleet writes are
+also planted before a real worker (``lineage_support.Worker``) lives the lineage.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import socket
 import subprocess
@@ -22,9 +25,19 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import PrivateRedis, free_port, wait_for
-from test_fleet_rules import Rig, Sent, _dead_holder
+from lineage_support import (
+    SMALL_PHYSICS,
+    Fleet,
+    PrivateRedis,
+    Worker,
+    free_port,
+    seed_file,
+    wait_for,
+)
+from test_fleet import WRITES_STATE, assert_linear, generations, start
+from test_fleet_rules import Rig, Sent, _dead_holder, report
 
+from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
@@ -74,9 +87,9 @@ def rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
 
 def _orphan(client: redis.Redis, lineage: str, job_id: str, holder: str) -> None:
     """The marker, holder record and lease a killed pool child leaves behind."""
-    client.set(f"{leases.PREFIX}:inflight:{lineage}", job_id, ex=600)
-    client.set(f"{leases.PREFIX}:holder:{lineage}", f"{job_id} {holder}", ex=600)
-    client.set(f"{leases.PREFIX}:lease:{lineage}", f"{holder}/0123", ex=600)
+    client.set(leases.inflight_key(lineage), job_id, ex=600)
+    client.set(leases.holder_key(lineage), f"{job_id} {holder}", ex=600)
+    client.set(leases.lease_key(lineage), f"{holder}/0123", ex=600)
 
 
 def _forged_holder(pid: str) -> str:
@@ -131,7 +144,7 @@ def test_a_forged_holder_record_does_not_kill_the_watch_thread(
 ) -> None:
     # The sweep dies on the forged record: from then on this worker renews no marker of
     # the jobs it prefetched and releases no dead holder on its host.
-    client.set(f"{leases.PREFIX}:holder:forged", f"job-x {_forged_holder(pid)}", ex=600)
+    client.set(leases.holder_key("forged"), f"job-x {_forged_holder(pid)}", ex=600)
     real = _name("real")
     time.sleep(2.5)
     _orphan(client, real, "job-1", _dead_holder())
@@ -145,7 +158,7 @@ def test_a_holder_key_of_another_type_does_not_stop_the_sweep(
     # One key of the wrong type makes every sweep raise WRONGTYPE, which the watch loop
     # swallows: every dead holder on the host is then released without a re-enqueue
     # (or not released at all, depending on the scan's order), silently, for good.
-    client.hset(f"{leases.PREFIX}:holder:forged", "a", "b")
+    client.hset(leases.holder_key("forged"), "a", "b")
     real = _name("real")
     _orphan(client, real, "job-1", _dead_holder())
     wait_for(lambda: real in sweeper.recovered, 15, "the genuine dead holder's release")
@@ -160,7 +173,7 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
     # future swallows, unlogged).
     hostile = "x\n[2026-01-01 00:00:00,000: CRITICAL/MainProcess] forged\x1b[2J"
     dead = _dead_holder()
-    client.set(f"{leases.PREFIX}:holder:{hostile}", f"job-1 {dead}", ex=600)
+    client.set(leases.holder_key(hostile), f"job-1 {dead}", ex=600)
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
         released = leases.release_dead_holders(client)
     assert all(lineage != hostile for lineage, _ in released)
@@ -197,10 +210,10 @@ def test_a_live_holder_in_another_pid_namespace_of_this_host_keeps_its_lease(
     try:
         assert process.stdout is not None
         assert process.stdout.readline() == b"holding\n"
-        token = client.get(f"{leases.PREFIX}:lease:{lineage}")
+        token = client.get(leases.lease_key(lineage))
         assert token is not None and token.decode().startswith(socket.gethostname() + ":")
         leases.release_dead_holders(client)
-        assert client.get(f"{leases.PREFIX}:lease:{lineage}") == token
+        assert client.get(leases.lease_key(lineage)) == token
         assert not leases.Lease(client, lineage, 600).acquire()
     finally:
         process.kill()
@@ -246,3 +259,218 @@ def test_a_job_that_ends_before_its_sender_extends_its_claim_leaves_the_lineage_
     assert leases.in_flight(rig.client, lineage) is None
     rig.planner.send = sent
     assert rig.planner.enqueue(lineage) is not None
+
+
+# -- keys of another Redis type -----------------------------------------------------------------
+#
+# Every key of a lineage holds a string. Anyone who reaches Redis can put a list, a hash
+# or a set under one of their names instead: then every GET and every script on it
+# failed with WRONGTYPE, for good (nothing the fleet writes expires it), and the
+# reconciler's whole pass, ``status`` and the worker's task with it.
+
+PLANTS: dict[str, Callable[[redis.Redis, str], object]] = {
+    "list": lambda client, key: client.rpush(key, "x"),
+    "hash": lambda client, key: client.hset(key, "a", "b"),
+    "set": lambda client, key: client.sadd(key, "x"),
+}
+
+
+# The lineage's keys that ``run`` reads before it enqueues the run's first job.
+MARKERS: dict[str, Callable[[str], str]] = {
+    "inflight": leases.inflight_key,
+    "lease": leases.lease_key,
+    "blocked": leases.blocked_key,
+}
+
+
+@pytest.fixture(params=sorted(PLANTS))
+def plant(request: pytest.FixtureRequest) -> Callable[[redis.Redis, str], None]:
+    """Put a key of one type the fleet never writes (each in turn) in place of a key."""
+
+    def planted(client: redis.Redis, key: str) -> None:
+        client.delete(key)
+        PLANTS[request.param](client, key)
+
+    return planted
+
+
+def removed_and_named(client: redis.Redis, key: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``key`` is no longer of another type than a string, and a warning named it by repr."""
+    assert client.type(key) in (b"none", b"string")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(repr(key) in message for message in warnings), warnings
+
+
+@pytest.mark.parametrize(
+    "key_of",
+    [leases.inflight_key, leases.lease_key, leases.blocked_key],
+    ids=["inflight", "lease", "blocked"],
+)
+def test_a_marker_of_another_type_neither_stops_the_reconciler_nor_keeps_its_lineage_waiting(
+    rig: Rig,
+    plant: Callable[[redis.Redis, str], None],
+    key_of: Callable[[str], str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # WRONGTYPE from the in-flight or blocked marker raised out of the whole pass, so no
+    # lineage at all was re-enqueued; a lease of another type read as held, for good.
+    planted, _ = rig.lineage("planted")
+    neighbour, _ = rig.lineage("neighbour")
+    rig.run(planted, 2)
+    rig.run(neighbour, 2)
+    plant(rig.client, key_of(planted))
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        assert sorted(rig.planner.reconcile()) == sorted([planted, neighbour])
+    removed_and_named(rig.client, key_of(planted), caplog)
+    sent = {job.lineage: job_id for job, job_id, *_ in rig.sent.calls}
+    assert leases.in_flight(rig.client, planted) == sent[planted]
+    assert rig.planner.reconcile() == []  # and now the lineage has its job in flight
+
+
+@pytest.mark.parametrize(
+    "key_of", [leases.inflight_key, leases.blocked_key], ids=["inflight", "blocked"]
+)
+def test_status_reads_a_marker_of_another_type_as_absent(
+    rig: Rig,
+    plant: Callable[[redis.Redis, str], None],
+    key_of: Callable[[str], str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lineage, _ = rig.lineage("shown")
+    rig.run(lineage, 2)
+    plant(rig.client, key_of(lineage))
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        row = Scheduler(rig.planner.settings).status(lineage)
+    assert (row.in_flight, row.blocked) == (None, None)
+    assert row.target == 2
+    removed_and_named(rig.client, key_of(lineage), caplog)
+
+
+def test_a_lease_of_another_type_is_taken_and_released_by_the_job_that_lives_the_lineage(
+    client: redis.Redis,
+    plant: Callable[[redis.Redis, str], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lineage = _name("leased")
+    plant(client, leases.lease_key(lineage))
+    lived = False
+    with (
+        caplog.at_level(logging.WARNING, logger="ouroboros.worker"),
+        leases.holding(client, lineage, "job-1", 30) as lease,
+    ):
+        lived = True
+        assert client.get(lease.key) == lease.token.encode()
+        assert leases.in_flight(client, lineage) == "job-1"
+    assert lived
+    assert not leases.lease_held(client, lineage)
+    assert leases.in_flight(client, lineage) is None
+    removed_and_named(client, leases.lease_key(lineage), caplog)
+
+
+@pytest.mark.parametrize(
+    "key_of", [leases.inflight_key, leases.holder_key], ids=["inflight", "holder"]
+)
+def test_a_marker_or_holder_record_of_another_type_does_not_fail_clearing_the_marker(
+    client: redis.Redis,
+    plant: Callable[[redis.Redis, str], None],
+    key_of: Callable[[str], str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The worker clears its job's marker as it drops a cancelled job and as a life ends.
+    lineage = _name("cleared")
+    client.set(leases.inflight_key(lineage), "job-1", ex=600)
+    client.set(leases.holder_key(lineage), f"job-1 {leases.holder_name()}", ex=600)
+    plant(client, key_of(lineage))
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        leases.clear_in_flight(client, lineage, "job-1")
+    assert not client.exists(leases.inflight_key(lineage), leases.holder_key(lineage))
+    removed_and_named(client, key_of(lineage), caplog)
+
+
+def test_a_fetched_jobs_marker_of_another_type_is_removed_not_kept(
+    client: redis.Redis,
+    plant: Callable[[redis.Redis, str], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The worker's main process keeps the marker of each job it fetched; the job's own
+    # marker is gone, so there is none of it to keep, and the lineage is free again.
+    lineage = _name("kept")
+    plant(client, leases.inflight_key(lineage))
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        assert not leases.keep_marker(client, lineage, "job-1", 600)
+    assert leases.in_flight(client, lineage) is None
+    removed_and_named(client, leases.inflight_key(lineage), caplog)
+
+
+@pytest.mark.parametrize(
+    "key_of", [leases.inflight_key, leases.lease_key], ids=["inflight", "lease"]
+)
+def test_a_dead_holders_job_is_released_whole_beside_a_marker_or_lease_of_another_type(
+    client: redis.Redis,
+    plant: Callable[[redis.Redis, str], None],
+    key_of: Callable[[str], str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The release script removed the holder record, then failed on the other key: the
+    # job was never reported released (nobody re-enqueued it), and its lease stayed.
+    lineage = _name("orphan")
+    _orphan(client, lineage, "job-1", _dead_holder())
+    plant(client, key_of(lineage))
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        assert (lineage, "job-1") in leases.release_dead_holders(client)
+    for key in (leases.inflight_key, leases.holder_key, leases.lease_key):
+        assert not client.exists(key(lineage))
+    removed_and_named(client, key_of(lineage), caplog)
+
+
+def test_a_cancel_flag_of_another_type_does_not_end_the_run(
+    rig: Rig, plant: Callable[[redis.Redis, str], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    # It read as a cancellation: the run's follow-ups were never sent, and the worker
+    # dropped every job of the run unrun (then sent the next, and dropped it, again).
+    job, commit = rig.first_generation("flagged", 3)
+    assert job.run_id is not None
+    key = leases.cancel_key(job.lineage, job.run_id)
+    plant(rig.client, key)
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        assert not leases.cancel_requested(rig.client, job.lineage, job.run_id)
+        follow = rig.planner.follow_up(job, report(job, 1, commit, "0.10"))
+    assert follow is not None and follow.expected_commit == commit
+    removed_and_named(rig.client, key, caplog)
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", [*MARKERS, "cancel"])
+def test_a_real_worker_lands_each_generation_once_beside_a_key_of_another_type(
+    tmp_path: Path, server: PrivateRedis, client: redis.Redis, workers: list[Worker], kind: str
+) -> None:
+    # The markers are planted before ``run`` enqueues the run's first job, the cancel
+    # flag (named after the run) before the worker fetches it.
+    fleet = Fleet(
+        tmp_path,
+        OUROBOROS_BROKER_URL=server.url,
+        OUROBOROS_LEASE_SECONDS="6",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+    )
+    lineage = "planted"
+    fleet.ok("init", lineage, "--seed", str(seed_file(fleet.home, WRITES_STATE)), *SMALL_PHYSICS)
+    if kind in MARKERS:
+        key = MARKERS[kind](lineage)
+        client.hset(key, "a", "b")
+    ran = fleet.ok("run", lineage, "--generations", "2")
+    if kind == "cancel":
+        run_id = re.search(r"run (\S+): ", ran.stdout)
+        assert run_id is not None, ran.stdout
+        key = leases.cancel_key(lineage, run_id.group(1))
+        client.hset(key, "a", "b")
+    worker = start(fleet, workers, "w1")
+    wait_for(lambda: len(generations(fleet, lineage)) == 2, 240, "both generations")
+    wait_for(lambda: fleet.observation_numbers(lineage) == [1, 2], 60, "their observations")
+    assert_linear(fleet, lineage, 2)
+    # Who met the key says so: the scheduler's ``run`` for a marker, the worker for the flag.
+    said = worker.text() if kind == "cancel" else ran.stderr
+    assert f"removed a key of a type the fleet never writes: {key!r}" in said, said
+    assert "Traceback" not in worker.text()

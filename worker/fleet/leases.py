@@ -19,7 +19,11 @@ host can see at once that the holder died and release its marker and lease
 (``release_dead_holders``) instead of waiting for them to expire.
 
 Trusts nothing it reads back: anyone who reaches Redis may write these keys, so a
-holder record whose names are not the fleet's is removed, never logged raw or planned.
+holder record whose names are not the fleet's is removed, never logged raw or planned,
+and a key of another Redis type than the string the fleet writes there (which makes
+every command on it fail with WRONGTYPE) is removed and the command run again, as if
+the key had been absent (``_repairing``). Each key's name is spelled once, in the
+``*_key`` functions below.
 
 Correctness never rests on these: the compare-and-swap push and the write-once
 observation make a lost lease or marker harmless. Losing all of Redis loses only
@@ -34,9 +38,10 @@ import re
 import secrets
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -57,6 +62,75 @@ _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _LINEAGE = re.compile(LINEAGE_NAME_PATTERN)
 # A pid is at most pid_max (2**22): seven digits.
 _PID = re.compile(r"[0-9]{1,7}")
+_HOLDERS = f"{PREFIX}:holder:"
+_T = TypeVar("_T")
+
+
+def lease_key(lineage: str) -> str:
+    """The lineage's lease: the token of the process living its generation."""
+    return f"{PREFIX}:lease:{lineage}"
+
+
+def inflight_key(lineage: str) -> str:
+    """The lineage's in-flight marker: the id of its one job queued or running."""
+    return f"{PREFIX}:inflight:{lineage}"
+
+
+def holder_key(lineage: str) -> str:
+    """The record of the process keeping the lineage's in-flight marker alive."""
+    return f"{_HOLDERS}{lineage}"
+
+
+def blocked_key(lineage: str) -> str:
+    """Why the lineage cannot advance here, while it is blocked."""
+    return f"{PREFIX}:blocked:{lineage}"
+
+
+def cancel_key(lineage: str, run_id: str) -> str:
+    """The fast-path flag of a cancelled run of the lineage."""
+    return f"{PREFIX}:cancel:{lineage}:{run_id}"
+
+
+# Atomic, so that a string the fleet wrote between the failed command and this removal
+# (a marker, a lease) is never what goes.
+_REMOVE_WRONG_TYPE = (
+    "local kind = redis.call('type', KEYS[1])['ok'] "
+    "if kind == 'string' or kind == 'none' then return 0 end "
+    "return redis.call('del', KEYS[1])"
+)
+
+
+def _repairing(client: redis.Redis, keys: Sequence[str | bytes], command: Callable[[], _T]) -> _T:
+    """``command`` (which touches only ``keys``), run again once if it met a key of the
+    wrong type, after each of ``keys`` that is not a string is removed and reported.
+
+    Every key of this module holds a string; one of another type was written by
+    someone else (anyone who reaches Redis can), and left there it would make every
+    command on it fail for good. Removed, it reads as absent: it could hold no job id
+    or token of the fleet, so no job's marker and no holder's lease is lost with it.
+    Each script here reads all its keys before it writes any (a failing script keeps
+    the writes it made), so the failed run changed nothing and the second is whole.
+    """
+    try:
+        return command()
+    except redis.ResponseError as exc:
+        if not str(exc).startswith("WRONGTYPE"):
+            raise
+    for key in keys:
+        if client.eval(_REMOVE_WRONG_TYPE, 1, key):
+            # Its name is anyone's: never logged raw.
+            log.warning("removed a key of a type the fleet never writes: %r", key)
+    return command()
+
+
+def _get(client: redis.Redis, key: str | bytes) -> bytes | None:
+    """The string at ``key``; None if there is none (a key of another type is removed)."""
+    return _repairing(client, [key], lambda: client.get(key))
+
+
+def _eval(client: redis.Redis, script: str, keys: Sequence[str | bytes], *args: object) -> object:
+    """``script`` on ``keys``, repaired and run again if one of them is of the wrong type."""
+    return _repairing(client, keys, lambda: client.eval(script, len(keys), *keys, *args))
 
 
 def redis_client(settings: Settings, *, outlast_restart: bool = False) -> redis.Redis:
@@ -139,7 +213,7 @@ class Lease:
 
     def __init__(self, client: redis.Redis, lineage: str, ttl_seconds: int) -> None:
         self.client = client
-        self.key = f"{PREFIX}:lease:{lineage}"
+        self.key = lease_key(lineage)
         self.ttl = ttl_seconds
         self.token = f"{holder_name()}/{secrets.token_hex(8)}"
 
@@ -158,6 +232,10 @@ class Lease:
 
     def acquire(self) -> bool:
         """Take the lease if it is free, or if its holder died on this very host."""
+        # A key of another type fails the GET below: it is removed and the lease taken.
+        return _repairing(self.client, [self.key], self._acquire)
+
+    def _acquire(self) -> bool:
         if self.client.set(self.key, self.token, nx=True, ex=self.ttl):
             return True
         current = self.client.get(self.key)
@@ -175,10 +253,10 @@ class Lease:
         return True
 
     def renew(self) -> bool:
-        return bool(self.client.eval(self._RENEW, 1, self.key, self.token, self.ttl))
+        return bool(_eval(self.client, self._RENEW, [self.key], self.token, self.ttl))
 
     def release(self) -> None:
-        self.client.eval(self._RELEASE, 1, self.key, self.token)
+        _eval(self.client, self._RELEASE, [self.key], self.token)
 
 
 class LeaseBusy(Exception):
@@ -232,7 +310,9 @@ def _heartbeat(lease: Lease, lineage: str, job_id: str, done: threading.Event) -
 
 
 def lease_held(client: redis.Redis, lineage: str) -> bool:
-    return bool(client.exists(f"{PREFIX}:lease:{lineage}"))
+    # Read, not EXISTS: a key of another type holds no lease, and would keep the
+    # reconciler away from the lineage for good.
+    return _get(client, lease_key(lineage)) is not None
 
 
 _MARK = (
@@ -248,7 +328,7 @@ def mark_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: 
     Repeating it for the same ``job_id`` succeeds again and sets the expiry anew (a
     retried command).
     """
-    return bool(client.eval(_MARK, 1, f"{PREFIX}:inflight:{lineage}", job_id, ttl_seconds))
+    return bool(_eval(client, _MARK, [inflight_key(lineage)], job_id, ttl_seconds))
 
 
 def extend_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> bool:
@@ -257,13 +337,7 @@ def extend_in_flight(client: redis.Redis, lineage: str, job_id: str, ttl_seconds
     Never makes the claim anew: a job fetched, lived and cleared before its sender got
     here is over, and a claim made for it would keep its lineage waiting for nothing.
     """
-    marker, _ = _marker_keys(lineage)
-    return bool(client.eval(Lease._RENEW, 1, marker, job_id, ttl_seconds))
-
-
-def _marker_keys(lineage: str) -> tuple[str, str]:
-    """The lineage's in-flight marker and the record of the process keeping it alive."""
-    return f"{PREFIX}:inflight:{lineage}", f"{PREFIX}:holder:{lineage}"
+    return bool(_eval(client, Lease._RENEW, [inflight_key(lineage)], job_id, ttl_seconds))
 
 
 def _holder_record(job_id: str) -> str:
@@ -273,10 +347,10 @@ def _holder_record(job_id: str) -> str:
 
 def claim_running(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
     """Mark ``job_id`` as the lineage's running job, for as long as its heartbeat lasts."""
-    marker, holder = _marker_keys(lineage)
+    # SET replaces a key of any type: no WRONGTYPE to meet here.
     with client.pipeline() as pipe:
-        pipe.set(marker, job_id, ex=ttl_seconds)
-        pipe.set(holder, _holder_record(job_id), ex=ttl_seconds)
+        pipe.set(inflight_key(lineage), job_id, ex=ttl_seconds)
+        pipe.set(holder_key(lineage), _holder_record(job_id), ex=ttl_seconds)
         pipe.execute()
 
 
@@ -292,34 +366,37 @@ def keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int
 
     This process becomes its holder: should it die, ``release_dead_holders`` frees the marker.
     """
-    marker, holder = _marker_keys(lineage)
-    return bool(client.eval(_KEEP, 2, marker, holder, job_id, _holder_record(job_id), ttl_seconds))
+    keys = [inflight_key(lineage), holder_key(lineage)]
+    return bool(_eval(client, _KEEP, keys, job_id, _holder_record(job_id), ttl_seconds))
 
 
 def in_flight(client: redis.Redis, lineage: str) -> str | None:
-    value = client.get(f"{PREFIX}:inflight:{lineage}")
+    value = _get(client, inflight_key(lineage))
     return value.decode() if value else None
 
 
+# Both read before either goes (see _repairing).
 _CLEAR = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end "
+    "local marker = redis.call('get', KEYS[1]) "
     "local holder = redis.call('get', KEYS[2]) "
+    "if marker == ARGV[1] then redis.call('del', KEYS[1]) end "
     "if holder and string.find(holder, ARGV[1] .. ' ', 1, true) == 1 then "
     "redis.call('del', KEYS[2]) end return 0"
 )
 
 
 def clear_in_flight(client: redis.Redis, lineage: str, job_id: str) -> None:
-    client.eval(_CLEAR, 2, *_marker_keys(lineage), job_id)
+    _eval(client, _CLEAR, [inflight_key(lineage), holder_key(lineage)], job_id)
 
 
 # Only if the holder record is still the dead one: its marker, and the lease if the
-# dead process holds it, go with it.
+# dead process holds it, go with it. All three are read before any goes (see _repairing).
 _RELEASE_DEAD = (
     "if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end "
-    "redis.call('del', KEYS[1]) "
-    "if redis.call('get', KEYS[2]) == ARGV[2] then redis.call('del', KEYS[2]) end "
+    "local marker = redis.call('get', KEYS[2]) "
     "local lease = redis.call('get', KEYS[3]) "
+    "redis.call('del', KEYS[1]) "
+    "if marker == ARGV[2] then redis.call('del', KEYS[2]) end "
     "if lease and string.find(lease, ARGV[3], 1, true) == 1 then redis.call('del', KEYS[3]) end "
     "return 1"
 )
@@ -336,16 +413,12 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
     expire: only its own host can tell it is gone.
     """
     released = []
-    prefix = f"{PREFIX}:holder:"
-    for key in client.scan_iter(f"{prefix}*"):
-        try:
-            record = client.get(key)
-        except redis.ResponseError:  # not a string: nothing of the fleet wrote it
-            record = b""
+    for key in client.scan_iter(f"{_HOLDERS}*"):
+        record = _get(client, key)
         if record is None:
             continue
         job_id, _, holder = record.decode(errors="replace").partition(" ")
-        lineage = key.decode(errors="replace").removeprefix(prefix)
+        lineage = key.decode(errors="replace").removeprefix(_HOLDERS)
         if not (_LINEAGE.fullmatch(lineage) and _JOB_ID.fullmatch(job_id) and holder.isprintable()):
             # Written by someone else (anyone who reaches Redis can): its names must reach
             # neither a log line raw nor the planner. Gone, it is reported once.
@@ -354,9 +427,8 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
             continue
         if not holder_dead(holder):
             continue
-        marker, _ = _marker_keys(lineage)
-        lease = f"{PREFIX}:lease:{lineage}"
-        if client.eval(_RELEASE_DEAD, 3, key, marker, lease, record, job_id, f"{holder}/"):
+        keys = [key, inflight_key(lineage), lease_key(lineage)]
+        if _eval(client, _RELEASE_DEAD, keys, record, job_id, f"{holder}/"):
             log.warning(
                 "%s: released job %s, whose holder (%s) died on this host", lineage, job_id, holder
             )
@@ -366,17 +438,19 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
 
 def request_cancel(client: redis.Redis, lineage: str, run_id: str, ttl_seconds: int) -> None:
     """Fast path of a cancellation; the durable record is the run object in the store."""
-    client.set(f"{PREFIX}:cancel:{lineage}:{run_id}", "1", ex=ttl_seconds)
+    client.set(cancel_key(lineage, run_id), "1", ex=ttl_seconds)
 
 
 def cancel_requested(client: redis.Redis, lineage: str, run_id: str) -> bool:
-    return bool(client.exists(f"{PREFIX}:cancel:{lineage}:{run_id}"))
+    # Read, not EXISTS: a key of another type is no cancellation, and would have every
+    # job of the run dropped unrun (and the run's next job sent, and dropped, again).
+    return _get(client, cancel_key(lineage, run_id)) is not None
 
 
 def block(client: redis.Redis, lineage: str, reason: str, ttl_seconds: int) -> None:
-    client.set(f"{PREFIX}:blocked:{lineage}", reason, ex=ttl_seconds)
+    client.set(blocked_key(lineage), reason, ex=ttl_seconds)
 
 
 def blocked(client: redis.Redis, lineage: str) -> str | None:
-    value = client.get(f"{PREFIX}:blocked:{lineage}")
+    value = _get(client, blocked_key(lineage))
     return value.decode() if value else None
