@@ -91,46 +91,65 @@ def cancel_key(lineage: str, run_id: str) -> str:
     return f"{PREFIX}:cancel:{lineage}:{run_id}"
 
 
-# Atomic, so that a string the fleet wrote between the failed command and this removal
-# (a marker, a lease) is never what goes.
+# Run before a command's script, in the same atomic call: each of its keys that holds
+# another type than string is removed (and named in the reply), so that neither a string
+# the fleet wrote meanwhile (a marker, a lease) goes, nor a key of another type written
+# again between a removal and the command (by anyone who keeps writing it) fails it anew.
 _REMOVE_WRONG_TYPE = (
-    "local kind = redis.call('type', KEYS[1])['ok'] "
-    "if kind == 'string' or kind == 'none' then return 0 end "
-    "return redis.call('del', KEYS[1])"
+    "local removed = {} "
+    "for _, key in ipairs(KEYS) do "
+    "local kind = redis.call('type', key)['ok'] "
+    "if kind ~= 'string' and kind ~= 'none' then "
+    "redis.call('del', key) removed[#removed + 1] = key end end "
 )
+_GET = "return redis.call('get', KEYS[1])"
 
 
-def _repairing(client: redis.Redis, keys: Sequence[str | bytes], command: Callable[[], _T]) -> _T:
-    """``command`` (which touches only ``keys``), run again once if it met a key of the
-    wrong type, after each of ``keys`` that is not a string is removed and reported.
+def _repairing(
+    client: redis.Redis,
+    keys: Sequence[str | bytes],
+    command: Callable[[], _T],
+    script: str,
+    *args: object,
+) -> _T:
+    """``command`` (which touches only ``keys``); if it met a key of the wrong type,
+    ``script`` (on ``keys`` and ``args``, doing what ``command`` does) instead, in one
+    atomic call after each of ``keys`` that is not a string is removed, each reported.
 
     Every key of this module holds a string; one of another type was written by
     someone else (anyone who reaches Redis can), and left there it would make every
     command on it fail for good. Removed, it reads as absent: it could hold no job id
     or token of the fleet, so no job's marker and no holder's lease is lost with it.
-    Each script here reads all its keys before it writes any (a failing script keeps
-    the writes it made), so the failed run changed nothing and the second is whole.
+    Removal and command are one script, so a writer who puts the key back between two
+    commands cannot fail the second one too. Each script here reads all its keys before
+    it writes any (a failing script keeps the writes it made), so the failed run
+    changed nothing and the second is whole.
     """
     try:
         return command()
     except redis.ResponseError as exc:
         if not str(exc).startswith("WRONGTYPE"):
             raise
+    repaired = f"{_REMOVE_WRONG_TYPE}local function run() {script} end return {{removed, run()}}"
+    reply = client.eval(repaired, len(keys), *keys, *args)
+    removed = set(reply[0])
     for key in keys:
-        if client.eval(_REMOVE_WRONG_TYPE, 1, key):
+        if (key.encode() if isinstance(key, str) else key) in removed:
             # Its name is anyone's: never logged raw.
             log.warning("removed a key of a type the fleet never writes: %r", key)
-    return command()
+    return reply[1] if len(reply) > 1 else None  # type: ignore[no-any-return]
 
 
 def _get(client: redis.Redis, key: str | bytes) -> bytes | None:
     """The string at ``key``; None if there is none (a key of another type is removed)."""
-    return _repairing(client, [key], lambda: client.get(key))
+    return _repairing(client, [key], lambda: client.get(key), _GET)
 
 
 def _eval(client: redis.Redis, script: str, keys: Sequence[str | bytes], *args: object) -> object:
     """``script`` on ``keys``, repaired and run again if one of them is of the wrong type."""
-    return _repairing(client, keys, lambda: client.eval(script, len(keys), *keys, *args))
+    return _repairing(
+        client, keys, lambda: client.eval(script, len(keys), *keys, *args), script, *args
+    )
 
 
 def redis_client(settings: Settings, *, outlast_restart: bool = False) -> redis.Redis:
@@ -232,21 +251,23 @@ class Lease:
 
     def acquire(self) -> bool:
         """Take the lease if it is free, or if its holder died on this very host."""
-        # A key of another type fails the GET below: it is removed and the lease taken.
-        return _repairing(self.client, [self.key], self._acquire)
-
-    def _acquire(self) -> bool:
+        # A key of another type fails no SET NX (it is taken for a holder), but the read
+        # below removes it: the lease is then free, and taken if it is still free.
         if self.client.set(self.key, self.token, nx=True, ex=self.ttl):
             return True
-        current = self.client.get(self.key)
+        current = _get(self.client, self.key)
+        if current is None:
+            return bool(self.client.set(self.key, self.token, nx=True, ex=self.ttl))
         if current == self.token.encode():
             return True  # a retried SET whose first reply was lost had taken it
-        if current is None or not holder_dead(current.decode(errors="replace")):
+        if not holder_dead(current.decode(errors="replace")):
             return False
-        if not self.client.eval(self._TAKE_OVER, 1, self.key, current, self.token, self.ttl):
+        if not _eval(self.client, self._TAKE_OVER, [self.key], current, self.token, self.ttl):
             return False
+        # The token is anyone's (its start time, and all after its fifth field, are not
+        # read by holder_dead): never logged raw.
         log.warning(
-            "%s: took over the lease of a dead holder (%s)",
+            "%s: took over the lease of a dead holder (%r)",
             self.key.rsplit(":", 1)[1],
             current.decode(errors="replace").rsplit("/", 1)[0],
         )

@@ -1,0 +1,174 @@
+"""Hostile review, session 21: a writer of the fleet's Redis who keeps writing a lineage
+key of another type than the fleet's string, and one who forges a dead holder's lease.
+
+A key of another type is removed and the command run again (``leases._repairing``).
+Whoever keeps writing it (``HSET`` in a loop: it creates the key whenever it is absent,
+and fails harmlessly on the fleet's strings) puts it back between the removal and the
+second command, which then fails with WRONGTYPE as the first did: the reconciler's
+whole pass, the sweep of every lineage's dead holders and ``status`` stop at that one
+lineage. ``Contested`` wins that race every time, deterministically: after each command
+of the client under attack, it writes the key again if it is absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from lineage_support import PrivateRedis
+from test_fleet_rules import Rig, Sent, _dead_holder
+
+from scheduler.status import Fleet as Scheduler
+from worker.fleet import leases
+from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.planner import Planner
+from worker.fleet.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
+    private = PrivateRedis(tmp_path_factory.mktemp("session21-redis"))
+    yield private
+    private.stop()
+
+
+class Contested(redis.Redis):
+    """A client after each of whose commands an attacker writes each of ``keys`` again as
+    a hash, if it is absent: the attacker wins every race between two commands."""
+
+    keys: list[str]
+    attacker: redis.Redis
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return super().execute_command(*args, **options)
+        finally:
+            for key in self.keys:
+                if self.attacker.type(key) == b"none":
+                    self.attacker.hset(key, "x", "y")
+
+
+@pytest.fixture
+def attacker(server: PrivateRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(server.url)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def contested(server: PrivateRedis, attacker: redis.Redis) -> Iterator[Contested]:
+    client = Contested.from_url(server.url)
+    client.keys, client.attacker = [], attacker
+    yield client
+    client.close()
+
+
+def _name(stem: str) -> str:
+    return f"{stem}-{secrets.token_hex(6)}"
+
+
+@pytest.fixture
+def rig(tmp_path: Path, server: PrivateRedis, contested: Contested) -> Rig:
+    settings = Settings(
+        home=tmp_path / "home",
+        broker_url=server.url,
+        visibility_timeout_seconds=7200,
+        inflight_ttl_seconds=3600,
+    )
+    planner = Planner(
+        settings=settings,
+        store=observation_store(settings),
+        cache=lineage_cache(settings, "scheduler"),
+        client=contested,
+        send=Sent(),
+    )
+    return Rig(planner=planner, sent=planner.send, client=contested, name=_name)  # type: ignore[arg-type]
+
+
+LINEAGE = "contested"
+CALLS: dict[str, tuple[Callable[[str], str], Callable[[redis.Redis], object]]] = {
+    "in_flight": (leases.inflight_key, lambda c: leases.in_flight(c, LINEAGE)),
+    "lease_held": (leases.lease_key, lambda c: leases.lease_held(c, LINEAGE)),
+    "blocked": (leases.blocked_key, lambda c: leases.blocked(c, LINEAGE)),
+    "cancel_requested": (
+        lambda lineage: leases.cancel_key(lineage, "run1"),
+        lambda c: leases.cancel_requested(c, LINEAGE, "run1"),
+    ),
+    "clear_in_flight": (leases.holder_key, lambda c: leases.clear_in_flight(c, LINEAGE, "j")),
+    "keep_marker": (leases.inflight_key, lambda c: leases.keep_marker(c, LINEAGE, "j", 60)),
+    "mark_in_flight": (leases.inflight_key, lambda c: leases.mark_in_flight(c, LINEAGE, "j", 60)),
+    "extend_in_flight": (
+        leases.inflight_key,
+        lambda c: leases.extend_in_flight(c, LINEAGE, "j", 60),
+    ),
+    "acquire": (leases.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).acquire()),
+    "renew": (leases.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).renew()),
+    "release": (leases.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).release()),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_a_key_written_again_between_its_removal_and_the_retry_fails_no_command(
+    contested: Contested, call: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    key_of, command = CALLS[call]
+    contested.keys = [key_of(LINEAGE)]
+    contested.attacker.hset(key_of(LINEAGE), "x", "y")
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        command(contested)  # raised WRONGTYPE: the retry met the hash written again
+    assert any(repr(key_of(LINEAGE)) in r.getMessage() for r in caplog.records)
+
+
+def test_a_contested_marker_does_not_stop_the_reconcilers_pass_nor_status(rig: Rig) -> None:
+    # The pass raised WRONGTYPE at the contested lineage: no lineage after it was enqueued.
+    planted, _ = rig.lineage("planted")
+    neighbour, _ = rig.lineage("neighbour")
+    rig.run(planted, 2)
+    rig.run(neighbour, 2)
+    contested = rig.client
+    assert isinstance(contested, Contested)
+    contested.keys = [leases.blocked_key(planted)]
+    contested.attacker.hset(leases.blocked_key(planted), "x", "y")
+    assert neighbour in rig.planner.reconcile()
+    scheduler = Scheduler(rig.planner.settings)
+    scheduler.planner = rig.planner  # type: ignore[misc]
+    assert scheduler.status(planted).blocked is None
+
+
+def test_a_contested_holder_record_does_not_stop_the_sweep_of_other_lineages(
+    contested: Contested,
+) -> None:
+    # release_dead_holders raised at the contested record: a dead holder's job of any
+    # lineage scanned after it stayed held until its marker and lease expired.
+    dead = _dead_holder()
+    lineages = [f"swept-{i}" for i in range(20)]
+    for lineage in lineages:
+        contested.set(leases.inflight_key(lineage), "job1", ex=600)
+        contested.set(leases.holder_key(lineage), f"job1 {dead}", ex=600)
+        contested.set(leases.lease_key(lineage), f"{dead}/0123", ex=600)
+    contested.keys = [leases.holder_key("aaa-contested")]
+    contested.attacker.hset(contested.keys[0], "x", "y")
+    released = leases.release_dead_holders(contested)
+    assert sorted(lineage for lineage, _ in released) == sorted(lineages)
+
+
+def test_a_forged_dead_holders_lease_writes_no_line_of_its_own_into_the_log(
+    contested: Contested, caplog: pytest.LogCaptureFixture
+) -> None:
+    # holder_dead reads five fields split at ':': the start time may hold a newline and
+    # whatever follows the fifth field is ignored, so the take-over's warning, which
+    # printed the token raw, carried a forged line into the worker's log.
+    host, boot, _pid, _started, pidns = leases.holder_name().split(":")
+    forged = f"{host}:{boot}:1:x\nCRITICAL forged line:{pidns}:\nCRITICAL another/0123"
+    contested.set(leases.lease_key(LINEAGE), forged, ex=600)
+    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+        assert leases.Lease(contested, LINEAGE, 60).acquire()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages and all(m.isprintable() for m in messages), messages
