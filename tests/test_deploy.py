@@ -234,7 +234,7 @@ def test_repo_init_configures_the_repository_as_the_package_makes_it(
     for name, value in _REPO_CONFIG.items():
         kind = "bool" if value in ("true", "false") else "int"
         assert config(f"--type={kind}", name) == value, name
-    for name in ("denyNonFastForwards", "denyDeletes", "fsckObjects"):
+    for name in ("denyNonFastForwards", "denyDeletes"):
         assert _REPO_CONFIG[f"receive.{name}"] == "true"
     work = tmp_path / "work.git"
     subprocess.run(["git", "init", "--bare", "--quiet", str(work)], check=True)

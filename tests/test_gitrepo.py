@@ -149,13 +149,15 @@ def test_repositories_are_made_without_automatic_gc(shared: Path, tmp_path: Path
         assert git(repo, "config", "receive.autogc") == "false"
 
 
-def test_repositories_are_made_to_refuse_rewrites_deletions_and_bad_objects(
+def test_repositories_are_made_to_refuse_rewrites_and_deletions(
     shared: Path, tmp_path: Path
 ) -> None:
     cache = LineageCache(tmp_path / "cache", str(shared))
     for repo in (shared, cache.git_dir):
-        for name in ("denyNonFastForwards", "denyDeletes", "fsckObjects"):
+        for name in ("denyNonFastForwards", "denyDeletes"):
             assert git(repo, "config", "--type=bool", f"receive.{name}") == "true"
+        # Left unset: git's fsck refuses trees the decoder records (deploy/README.md).
+        assert run_git(repo, "config", "receive.fsckObjects", check=False).returncode != 0
 
 
 # An ssh stand-in: git runs it as ``ssh [options] HOST COMMAND``; the command goes to
@@ -202,7 +204,7 @@ def test_a_shared_repository_made_before_is_hardened_by_its_owner_only(tmp_path:
         git(old, "config", name, value)
     assert run_git(old, "config", "receive.denyDeletes", check=False).returncode != 0
     ensure_shared_repo(f"file://{old}")
-    for name in ("denyNonFastForwards", "denyDeletes", "fsckObjects", "autogc"):
+    for name in ("denyNonFastForwards", "denyDeletes", "autogc"):
         expected = "false" if name == "autogc" else "true"
         assert git(old, "config", "--type=bool", f"receive.{name}") == expected
     # Nothing else changed, and set once: a second pass writes nothing.
@@ -223,7 +225,7 @@ def test_repack_hardens_a_repository_made_before(tmp_path: Path) -> None:
     assert cache.push_cas("old", head, seed)
     out = fleet.ok("repack").stdout
     assert f"{fleet.repo}: set " in out and "receive.denyNonFastForwards" in out
-    assert git(fleet.repo, "config", "--type=bool", "receive.fsckObjects") == "true"
+    assert git(fleet.repo, "config", "--type=bool", "receive.denyDeletes") == "true"
     forced = subprocess.run(
         ["git", f"--git-dir={cache.git_dir}", "push", "--force", str(fleet.repo),
          f"{seed}:{branch_ref('old')}"],
@@ -246,7 +248,7 @@ def test_another_accounts_repository_is_not_rewritten(
         ensure_shared_repo(str(theirs))
     assert (theirs / "config").read_bytes() == before
     assert "receive.denyNonFastForwards=true" in caplog.text
-    assert f"git --git-dir={theirs} config receive.fsckObjects true" in caplog.text
+    assert f"git --git-dir={theirs} config receive.denyDeletes true" in caplog.text
 
 
 def test_a_remote_url_is_not_mistaken_for_a_local_path(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ host's state directory, and on the shared repository when it is a local path her
 than its two-week default, so the objects of a generation in flight, written moments
 before its push, are never touched. Each repository this account owns also gets the
 configuration of one made today (``harden``: no automatic gc; pushes only forward,
-no deletions, objects fsck accepts), so one made by an earlier version catches up
+no deletions), so one made by an earlier version catches up
 within a day.
 """
 

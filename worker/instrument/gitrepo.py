@@ -27,9 +27,8 @@ Either way a push moves the branch only from the expected head, and one that los
 a race is reported as lost (``push_cas`` returns False), never retried here; in
 process, one that would not fast-forward from the expected head fails too. Over ssh
 the shared repository's own configuration (``_REPO_CONFIG``, set by ``harden``)
-refuses a non-fast-forward, a deletion and an object ``git fsck --strict`` refuses,
-whoever pushes: the fleet's own pushes are all fast-forwards or creations, of trees
-the decoder held to git's path rules.
+refuses a non-fast-forward and a deletion, whoever pushes: the fleet's own pushes
+are all fast-forwards or creations.
 
 Trusts: libgit2, the git binary and the configured remote. Treats every path and
 byte of lineage content as data.
@@ -114,19 +113,18 @@ _REPO_CONFIG = {
     "maintenance.auto": "false",
     "receive.autogc": "false",
     # What arrives through receive-pack (the ssh path's forced git-shell, a ``git push``
-    # to the path) may only move a branch forward, never delete one, and carries only
-    # objects ``git fsck --strict`` accepts: a holder of the push key (a compromised
-    # host, an operator's slip) cannot rewrite or remove the records researchers read.
-    # The fleet never needs more: a generation's commit descends from the head it
-    # expects, a new lineage is a creation, and import-bundle creates its branch (and
-    # deletes its staging ref) with local git commands, which receive-pack never sees.
-    # Only receive's own check, not ``transfer.fsckObjects``: that one also checks every
-    # fetch into the repository, and a restore's fetch from a backup must not be refused
-    # for an object git's rules accepted when it was recorded (import-bundle already
-    # checks what it fetches with ``git fsck --strict``).
+    # to the path) may only move a branch forward, never delete one: a holder of the
+    # push key (a compromised host, an operator's slip) cannot rewrite or remove the
+    # records researchers read. The fleet never needs more: a generation's commit
+    # descends from the head it expects, a new lineage is a creation, and import-bundle
+    # creates its branch (and deletes its staging ref) with local git commands, which
+    # receive-pack never sees.
+    # Not ``receive.fsckObjects``: git's fsck refuses trees the decoder accepts (a name
+    # with a backslash before ".git", a .gitattributes directory or one with a line of
+    # 2,048 bytes), so an organism that writes one would have every generation of its
+    # lineage refused on the hosts that push over ssh, and recorded on the others.
     "receive.denyNonFastForwards": "true",
     "receive.denyDeletes": "true",
-    "receive.fsckObjects": "true",
 }
 
 
