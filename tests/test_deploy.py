@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from worker.fleet.settings import Settings
+from worker.instrument.gitrepo import _REPO_CONFIG, IDENTITY
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -200,6 +201,82 @@ def test_the_minio_init_job_and_the_git_server_use_files_that_exist():
     for source in re.findall(r"^COPY (?:--chmod=\S+ )?(\S+) ", DOCKERFILE.read_text(), re.M):
         if source != ".":
             assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def repo_init(repository: Path) -> None:
+    """Run the repo-init service's command, with ``repository`` for the volume's."""
+    service = services()["repo-init"]
+    assert service["entrypoint"] == ["/bin/sh", "-c"]
+    command = service["command"][0].replace("/srv/git/lineages.git", str(repository))
+    subprocess.run(["/bin/sh", "-c", command], check=True)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "made-before"])
+def test_repo_init_configures_the_repository_as_the_package_makes_it(
+    tmp_path: Path, existing: bool
+) -> None:
+    """At every ``up``, a new or existing repository gets every setting of one the package
+    makes, among them the receive checks: a forced rewrite and a deletion are refused."""
+    repository = tmp_path / "lineages.git"
+    if existing:
+        subprocess.run(["git", "init", "--bare", "--quiet", str(repository)], check=True)
+    repo_init(repository)
+    repo_init(repository)
+
+    def config(*args: str) -> str:
+        return subprocess.run(
+            ["git", f"--git-dir={repository}", "config", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    for name, value in _REPO_CONFIG.items():
+        kind = "bool" if value in ("true", "false") else "int"
+        assert config(f"--type={kind}", name) == value, name
+    for name in ("denyNonFastForwards", "denyDeletes"):
+        assert _REPO_CONFIG[f"receive.{name}"] == "true"
+    work = tmp_path / "work.git"
+    subprocess.run(["git", "init", "--bare", "--quiet", str(work)], check=True)
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", f"--git-dir={work}", *args],
+            input="",
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **IDENTITY},
+        ).stdout.strip()
+
+    tree = git("mktree")
+    seed = git("commit-tree", tree, "-m", "seed")
+    head = git("commit-tree", tree, "-p", seed, "-m", "gen 1")
+    forged = git("commit-tree", tree, "-p", seed, "-m", "forged")
+
+    def push(*args: str) -> int:
+        argv = ["git", f"--git-dir={work}", "push", "--quiet", str(repository), *args]
+        return subprocess.run(argv, capture_output=True).returncode
+
+    assert push(f"{head}:refs/heads/lineage-x") == 0
+    assert push("--force", f"{forged}:refs/heads/lineage-x") != 0
+    assert push("--delete", "refs/heads/lineage-x") != 0
+    landed = ["git", f"--git-dir={repository}", "rev-parse", "refs/heads/lineage-x"]
+    assert subprocess.run(landed, capture_output=True, text=True).stdout.strip() == head
+
+
+def test_the_operators_guide_sets_every_setting_where_it_makes_a_repository():
+    """The restore snippet and the advice for a repository made elsewhere name each
+    setting of a repository the package makes: the receive checks are not lost by a
+    restore or by an ssh server of the operator's own."""
+    guide = (DEPLOY / "README.md").read_text()
+    restore = guide[guide.index("git init --bare --quiet /srv/git/lineages.git") :]
+    restore = restore[: restore.index("```")]
+    elsewhere = guide[guide.index("**A repository that is not created here**") :]
+    elsewhere = elsewhere[: elsewhere.index("\n\n")]
+    for name, value in _REPO_CONFIG.items():
+        assert f"config {name} {value} &&" in restore, name
+        assert f"{name} {value}" in " ".join(elsewhere.split()), name
 
 
 # --- commands ----------------------------------------------------------------------

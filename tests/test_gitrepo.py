@@ -8,6 +8,8 @@ process at all (traced with strace), least of all a gc or maintenance.
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 from pathlib import Path
 
@@ -145,6 +147,108 @@ def test_repositories_are_made_without_automatic_gc(shared: Path, tmp_path: Path
         assert git(repo, "config", "gc.auto") == "0"
         assert git(repo, "config", "maintenance.auto") == "false"
         assert git(repo, "config", "receive.autogc") == "false"
+
+
+def test_repositories_are_made_to_refuse_rewrites_and_deletions(
+    shared: Path, tmp_path: Path
+) -> None:
+    cache = LineageCache(tmp_path / "cache", str(shared))
+    for repo in (shared, cache.git_dir):
+        for name in ("denyNonFastForwards", "denyDeletes"):
+            assert git(repo, "config", "--type=bool", f"receive.{name}") == "true"
+        # Left unset: git's fsck refuses trees the decoder records (deploy/README.md).
+        assert run_git(repo, "config", "receive.fsckObjects", check=False).returncode != 0
+
+
+# An ssh stand-in: git runs it as ``ssh [options] HOST COMMAND``; the command goes to
+# git-shell, as the compose fleet's git-ssh account and the VM test's sshd force it.
+_FAKE_SSH = '#!/bin/sh\nfor command; do :; done\nexec git-shell -c "$command"\n'
+
+
+def test_the_ssh_push_moves_a_hardened_branch_only_forward(
+    shared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fleet's push over ssh (``git push --force-with-lease`` of a fast-forward) lands
+    on a repository made here; the receiving side refuses the one that is not, even
+    with the right expected head."""
+    fake_ssh = tmp_path / "fake-ssh"
+    fake_ssh.write_text(_FAKE_SSH)
+    fake_ssh.chmod(0o755)
+    monkeypatch.setenv("GIT_SSH_COMMAND", str(fake_ssh))
+    remote = LineageCache(tmp_path / "remote", f"ssh://fleet.invalid{shared}")
+    assert remote.fetch("far") is None
+    seed = seeded(remote, "far")
+    first = child(remote, seed, b"(one)\n")
+    assert remote.push_cas("far", first, seed)
+    assert git(shared, "rev-parse", branch_ref("far")) == first
+    # A stale expected head: refused by the lease, as before.
+    assert not remote.push_cas("far", child(remote, seed, b"(late)\n"), seed)
+    # The right expected head but a commit that does not descend from it (the in-process
+    # push refuses it itself): the receiving side refuses it now.
+    assert not remote.push_cas("far", child(remote, seed, b"(back)\n"), first)
+    assert git(shared, "rev-parse", branch_ref("far")) == first
+    fresh = LineageCache(tmp_path / "fresh", f"ssh://fleet.invalid{shared}")
+    assert fresh.fetch("far") == first
+    second = child(fresh, first, b"(two)\n")
+    assert fresh.push_cas("far", second, first)
+    assert git(shared, "rev-parse", branch_ref("far")) == second
+
+
+def test_a_shared_repository_made_before_is_hardened_by_its_owner_only(tmp_path: Path) -> None:
+    """A repository an earlier version made (gc settings only) gets the receive settings
+    from the next command that ensures it, when this account owns it; another account's
+    is left unwritten, with a warning saying what to run."""
+    old = tmp_path / "old.git"
+    subprocess.run(["git", "init", "--bare", "--quiet", str(old)], check=True)
+    for name, value in (("gc.auto", "0"), ("maintenance.auto", "false")):
+        git(old, "config", name, value)
+    assert run_git(old, "config", "receive.denyDeletes", check=False).returncode != 0
+    ensure_shared_repo(f"file://{old}")
+    for name in ("denyNonFastForwards", "denyDeletes", "autogc"):
+        expected = "false" if name == "autogc" else "true"
+        assert git(old, "config", "--type=bool", f"receive.{name}") == expected
+    # Nothing else changed, and set once: a second pass writes nothing.
+    assert git(old, "config", "gc.auto") == "0"
+    before = (old / "config").read_bytes()
+    ensure_shared_repo(str(old))
+    assert (old / "config").read_bytes() == before
+
+
+def test_repack_hardens_a_repository_made_before(tmp_path: Path) -> None:
+    """The daily repack, run by the repository's owner, brings an earlier version's
+    shared repository up to date, and a push rewriting a lineage is refused after it."""
+    fleet = Fleet(tmp_path)
+    subprocess.run(["git", "init", "--bare", "--quiet", str(fleet.repo)], check=True)
+    cache = LineageCache(tmp_path / "cache", str(fleet.repo))
+    seed = seeded(cache, "old")
+    head = child(cache, seed, b"(one)\n")
+    assert cache.push_cas("old", head, seed)
+    out = fleet.ok("repack").stdout
+    assert f"{fleet.repo}: set " in out and "receive.denyNonFastForwards" in out
+    assert git(fleet.repo, "config", "--type=bool", "receive.denyDeletes") == "true"
+    forced = subprocess.run(
+        ["git", f"--git-dir={cache.git_dir}", "push", "--force", str(fleet.repo),
+         f"{seed}:{branch_ref('old')}"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert forced.returncode != 0 and git(fleet.repo, "rev-parse", branch_ref("old")) == head
+    assert f"{fleet.repo}: set " not in fleet.ok("repack").stdout
+
+
+@pytest.mark.root
+def test_another_accounts_repository_is_not_rewritten(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    theirs = tmp_path / "theirs.git"
+    subprocess.run(["git", "init", "--bare", "--quiet", str(theirs)], check=True)
+    os.chown(theirs / "config", 65534, 65534)
+    before = (theirs / "config").read_bytes()
+    with caplog.at_level(logging.WARNING):
+        ensure_shared_repo(str(theirs))
+    assert (theirs / "config").read_bytes() == before
+    assert "receive.denyNonFastForwards=true" in caplog.text
+    assert f"git --git-dir={theirs} config receive.denyDeletes true" in caplog.text
 
 
 def test_a_remote_url_is_not_mistaken_for_a_local_path(tmp_path: Path) -> None:

@@ -369,3 +369,53 @@ def test_a_generation_commit_is_byte_for_byte_what_git_commit_tree_writes(
         env=env,
     )
     assert theirs.stdout.decode().strip() == made
+
+
+# --- a holder of the push key, through receive-pack ------------------------------------
+
+
+def attacker(tmp_path: Path, shared: Path, lineage: str) -> tuple[LineageCache, str, str]:
+    """A host's cache holding ``lineage`` at two generations, pushed; the seed and head."""
+    cache = LineageCache(tmp_path / "attacker", str(shared))
+    seed = seeded(cache, lineage)
+    head = generation(cache, seed, 1, b"(kept)")
+    assert cache.push_cas(lineage, head, seed)
+    return cache, seed, head
+
+
+def push(source: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A plain ``git push`` from ``source``, as an operator or an intruder types it."""
+    return subprocess.run(
+        ["git", f"--git-dir={source}", "push", *args], capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize("scheme", ["", "file://"], ids=["path", "file-url"])
+def test_a_forced_rewrite_or_a_delete_of_a_lineage_is_refused_by_the_repository(
+    shared: Path, tmp_path: Path, scheme: str
+) -> None:
+    cache, seed, head = attacker(tmp_path, shared, "trusted")
+    ref = branch_ref("trusted")
+    url = f"{scheme}{shared}"
+    # Another history of the lineage: generation 1 replaced, so not a fast-forward.
+    rewritten = generation(cache, seed, 1, b"(forged)")
+    forced = push(cache.git_dir, "--force", url, f"{rewritten}:{ref}")
+    assert forced.returncode != 0 and "non-fast-forward" in forced.stderr, forced.stderr
+    # Back to the seed: history cut, also not a fast-forward.
+    assert push(cache.git_dir, "--force", url, f"{seed}:{ref}").returncode != 0
+    for deletion in (["--delete", url, ref], [url, f":{ref}"]):
+        deleted = push(cache.git_dir, *deletion)
+        assert deleted.returncode != 0 and "deletion prohibited" in deleted.stderr
+    assert git(shared, "rev-parse", ref) == head
+    # What the fleet pushes still lands: a fast-forward, and a new branch.
+    assert push(cache.git_dir, url, f"{generation(cache, head, 2, b'(two)')}:{ref}").returncode == 0
+    assert push(cache.git_dir, url, f"{seed}:{branch_ref('copy')}").returncode == 0
+    # A restore from a backup bundle into a fresh repository made here is a fetch, not
+    # a receive: nothing of the hardening stands in its way.
+    bundle = tmp_path / "backup.bundle"
+    run_git(shared, "bundle", "create", "--quiet", str(bundle), "--all")
+    restored = tmp_path / "restored.git"
+    ensure_shared_repo(str(restored))
+    run_git(restored, "fetch", "--quiet", str(bundle), "refs/*:refs/*")
+    assert git(restored, "for-each-ref") == git(shared, "for-each-ref")
+    run_git(restored, "fsck", "--strict", "--no-dangling")

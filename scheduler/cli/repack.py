@@ -6,7 +6,10 @@ A generation writes loose objects and never starts a gc or maintenance
 host's state directory, and on the shared repository when it is a local path here.
 ``git gc`` packs the loose objects and refs and prunes only unreachable objects older
 than its two-week default, so the objects of a generation in flight, written moments
-before its push, are never touched.
+before its push, are never touched. Each repository this account owns also gets the
+configuration of one made today (``harden``: no automatic gc; pushes only forward,
+no deletions), so one made by an earlier version catches up
+within a day.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import click
 
 from scheduler.cli.common import load_settings
 from scheduler.output import console
-from worker.instrument.gitrepo import local_repository, run_git
+from worker.instrument.gitrepo import harden, local_repository, run_git
 
 
 def _loose(repo: Path) -> int:
@@ -35,6 +38,9 @@ def repack() -> None:
     if shared is not None and (shared / "HEAD").exists():
         repos.append(shared)
     for repo in repos:
+        hardened = harden(repo)
+        if hardened:
+            console.print(f"{repo}: set {', '.join(hardened)}", highlight=False)
         before = _loose(repo)
         run_git(repo, "gc", "--quiet")
         console.print(f"{repo}: {before} loose objects packed", highlight=False)

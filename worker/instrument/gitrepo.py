@@ -25,7 +25,10 @@ The shared repository is reached two ways:
 
 Either way a push moves the branch only from the expected head, and one that loses
 a race is reported as lost (``push_cas`` returns False), never retried here; in
-process, one that would not fast-forward from the expected head fails too.
+process, one that would not fast-forward from the expected head fails too. Over ssh
+the shared repository's own configuration (``_REPO_CONFIG``, set by ``harden``)
+refuses a non-fast-forward and a deletion, whoever pushes: the fleet's own pushes
+are all fast-forwards or creations.
 
 Trusts: libgit2, the git binary and the configured remote. Treats every path and
 byte of lineage content as data.
@@ -101,9 +104,28 @@ pygit2.option(Option.ENABLE_FSYNC_GITDIR, True)
 # runs nothing a repository's config names; as ``git --git-dir`` does, a repository
 # owned by another account (the operator's shell beside the ``ouroboros`` service) opens.
 pygit2.option(Option.SET_OWNER_VALIDATION, False)
-# Configuration of every repository this module creates: no automatic gc anywhere,
-# including a receive-pack that a plain ``git push`` of an operator starts.
-_REPO_CONFIG = {"gc.auto": "0", "maintenance.auto": "false", "receive.autogc": "false"}
+# Configuration of every repository this module creates (the shared one, each cache),
+# and set again in an existing one its owner opens to write (``harden``).
+_REPO_CONFIG = {
+    # No automatic gc anywhere, including a receive-pack that a plain ``git push`` of an
+    # operator starts: repacking is scheduled (deploy/README.md, "Repacking").
+    "gc.auto": "0",
+    "maintenance.auto": "false",
+    "receive.autogc": "false",
+    # What arrives through receive-pack (the ssh path's forced git-shell, a ``git push``
+    # to the path) may only move a branch forward, never delete one: a holder of the
+    # push key (a compromised host, an operator's slip) cannot rewrite or remove the
+    # records researchers read. The fleet never needs more: a generation's commit
+    # descends from the head it expects, a new lineage is a creation, and import-bundle
+    # creates its branch (and deletes its staging ref) with local git commands, which
+    # receive-pack never sees.
+    # Not ``receive.fsckObjects``: git's fsck refuses trees the decoder accepts (a name
+    # with a backslash before ".git", a .gitattributes directory or one with a line of
+    # 2,048 bytes), so an organism that writes one would have every generation of its
+    # lineage refused on the hosts that push over ssh, and recorded on the others.
+    "receive.denyNonFastForwards": "true",
+    "receive.denyDeletes": "true",
+}
 
 
 class GitError(RuntimeError):
@@ -222,9 +244,13 @@ def local_path(url: str) -> Path:
 
 
 def ensure_shared_repo(url: str) -> None:
-    """Create the shared bare repository if it is a local path that does not exist yet."""
+    """Create the shared bare repository if it is a local path that does not exist yet;
+    one that exists (made by an earlier version, or by hand) is hardened (``harden``)."""
     path = local_repository(url)
-    if path is None or (path / "HEAD").exists():
+    if path is None:
+        return
+    if (path / "HEAD").exists():
+        harden(path)
         return
     if path.exists() and any(path.iterdir()):
         raise Refusal(
@@ -236,9 +262,49 @@ def ensure_shared_repo(url: str) -> None:
 
 
 def _init_bare(path: Path) -> None:
-    repo = pygit2.init_repository(str(path), bare=True)
-    for name, value in _REPO_CONFIG.items():
-        repo.config[name] = value
+    pygit2.init_repository(str(path), bare=True)
+    harden(path)
+
+
+def harden(path: Path) -> list[str]:
+    """Set in the bare repository at ``path`` each setting of ``_REPO_CONFIG`` it lacks
+    (or holds with another value); the names set.
+
+    Only the repository's own configuration file counts (not the user's or the system's,
+    which another account or host does not share), and only its owner writes it: a
+    repository of another account (the ``ouroboros`` service's, opened from an operator's
+    shell) is left as it is, with a warning naming what it lacks, since a config file
+    rewritten by another account would change hands. The worker never calls this on
+    the shared repository; the commands that create or import lineages and ``repack`` do.
+    """
+    file = path / "config"
+    config = pygit2.Config(str(file))
+    missing = [name for name, value in _REPO_CONFIG.items() if not _holds(config, name, value)]
+    if not missing:
+        return []
+    if file.stat().st_uid != os.geteuid():
+        log.warning(
+            "%s lacks %s and belongs to another account; as its owner run: %s",
+            path,
+            ", ".join(f"{name}={_REPO_CONFIG[name]}" for name in missing),
+            " && ".join(
+                f"git --git-dir={path} config {name} {_REPO_CONFIG[name]}" for name in missing
+            ),
+        )
+        return []
+    for name in missing:
+        config[name] = _REPO_CONFIG[name]
+    return missing
+
+
+def _holds(config: pygit2.Config, name: str, value: str) -> bool:
+    """Whether ``config`` sets ``name`` to ``value`` as git reads it ("yes" is "true")."""
+    try:
+        if value in ("true", "false"):
+            return config.get_bool(name) == (value == "true")
+        return config.get_int(name) == int(value)
+    except (KeyError, ValueError, pygit2.GitError):
+        return False
 
 
 def local_repository(url: str) -> Path | None:
