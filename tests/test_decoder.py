@@ -31,6 +31,8 @@ from worker.instrument.decoder import (
     DecodeLimits,
     DecoderRejection,
     TreeEntry,
+    _is_dotgit,
+    _is_gitattributes,
     _is_gitmodules,
     decode_archive,
 )
@@ -565,9 +567,14 @@ def test_decoder_refuses_exactly_the_paths_git_would_silently_drop(
             decoder_kept = True
         except DecoderRejection:
             decoder_kept = False
-        # Beyond git: no .gitmodules at all, in git's own spellings of it (fsck's rule).
+        # Beyond update-index: no .gitmodules at all, in git's own spellings of it, and
+        # what git fsck refuses besides (a .git after a backslash, a directory git reads
+        # as .gitattributes): test_decoder_git_parity checks those against real git.
+        parts = tuple(path.split("/"))
         expected = path in git_kept and path.isprintable()
-        expected = expected and not _is_gitmodules(tuple(path.split("/")))
+        expected = expected and not _is_gitmodules(parts)
+        expected = expected and not any(_is_dotgit(part) for part in parts)
+        expected = expected and not any(_is_gitattributes(part) for part in parts[:-1])
         assert decoder_kept == expected, (path, is_symlink)
 
 

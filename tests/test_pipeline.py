@@ -392,6 +392,39 @@ def test_result_holding_a_git_directory_dies_as_decoder_rejection(fleet: Fleet) 
     assert not any(path.startswith(".git") for path in fleet.files("smuggler"))
 
 
+def test_results_git_fsck_would_refuse_die_as_decoder_rejections(fleet: Fleet) -> None:
+    """A .git after a backslash, or a .gitattributes line of 2,048 bytes or more, is a
+    tree git fsck --strict refuses: committed, it would bar the lineage from
+    import-bundle, from clones with transfer.fsckObjects and from a shared repository
+    with receive.fsckObjects. Such a life dies as a decoder rejection, and the branch
+    stays one git fsck --strict accepts."""
+    make_lineage(fleet, "backslasher", '(with-temp-file "/work/a\\\\.git" (insert "x"))\n')
+    make_lineage(
+        fleet,
+        "attributer",
+        '(with-temp-file "/work/.gitattributes" (insert (make-string 3000 ?x) "\\n"))\n',
+    )
+    for lineage, reason in (
+        (
+            "backslasher",
+            "member './a\\\\.git': 'a\\\\.git' holds a .git after a backslash, "
+            "a separator on Windows: git fsck refuses it (hasDotgit)",
+        ),
+        (
+            "attributer",
+            "member './.gitattributes': a .gitattributes (or a name git reads so) with a "
+            "line of 2048 bytes or more: git fsck refuses it (gitattributesLineLength)",
+        ),
+    ):
+        run_one(fleet, lineage)
+        assert fleet.subjects(lineage)[0] == "gen 1: died (exit 0); staged writes discarded"
+        observation = fleet.observation(lineage, 1)
+        assert observation["outcome"] == "decoder_rejection"
+        assert observation["rejection_reason"] == reason
+        assert fleet.files(lineage) == [".ouroboros-lineage.json", "journal.md", "organism.el"]
+        fleet.git("fsck", "--strict", "--no-dangling", "--no-progress", f"lineage-{lineage}")
+
+
 def test_stderr_cannot_forge_a_journal_entry(fleet: Fleet) -> None:
     make_lineage(
         fleet,

@@ -103,6 +103,21 @@ _NTFS_DOTGITMODULES = re.compile(
     + r")[. ]*(?::.*)?",
     re.ASCII | re.IGNORECASE | re.DOTALL,
 )
+# is_ntfs_dotgitattributes: the same shapes for ".gitattributes", "gitatt~1".."gitatt~4"
+# and the fall-back 8.3 names with the prefix "gi7d29". git fsck (fsck_tree, then
+# fsck_blob) checks the object under such a name, or its HFS+ spelling: a directory
+# there (gitattributesBlob), more than ATTR_MAX_FILE_SIZE bytes (gitattributesLarge) or
+# a line of ATTR_MAX_LINE_LENGTH bytes or more before the first NUL
+# (gitattributesLineLength) is an error. A symlink there is only reported, never refused.
+_NTFS_DOTGITATTRIBUTES = re.compile(
+    r"(?:\.gitattributes|gitatt~[1-4]|"
+    + "|".join(f"{'gi7d29'[:k]}~[1-9][0-9]{{{6 - k}}}" for k in range(7))
+    + r")[. ]*(?::.*)?",
+    re.ASCII | re.IGNORECASE | re.DOTALL,
+)
+# attr.h ATTR_MAX_FILE_SIZE and ATTR_MAX_LINE_LENGTH, as fsck_blob applies them.
+_ATTR_MAX_FILE_SIZE = 100 * 1024 * 1024
+_ATTR_MAX_LINE_LENGTH = 2048
 # Invisible formatting characters and the line and paragraph separators: a name holding
 # one does not read as what it is. (Control characters, Cc, get a reason of their own.)
 _INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
@@ -386,6 +401,8 @@ def _plan(archive: bytes, limits: DecodeLimits) -> list[_Planned]:
                     raise _Broken(
                         f"files total more than {limits.max_bytes} bytes (the work_bytes limit)"
                     )
+                if _is_gitattributes(item.parts[-1]):
+                    _check_gitattributes(archive[item.data : item.data + item.size])
         except _Broken as broken:
             raise DecoderRejection(f"member {_show(header.name)}: {broken}") from None
         planned.append(item)
@@ -435,7 +452,13 @@ def _admit(
     kinds[parts] = kind
     declared.add(parts)
     if kind == "dir":
-        return None
+        return None  # an empty one is dropped; one holding a member is checked with it
+    attributes = next((part for part in parts[:-1] if _is_gitattributes(part)), None)
+    if attributes is not None:
+        raise _Broken(
+            f"lies under a directory {attributes!r}, a name git reads as .gitattributes: "
+            "git fsck refuses a .gitattributes that is not a file (gitattributesBlob)"
+        )
     if _is_gitmodules(parts):
         # git fsck refuses submodule URLs an organism could write there, and a mirror or
         # shared repository that checks objects would then refuse the lineage's pushes.
@@ -489,7 +512,12 @@ def _path_parts(name: str, kind: str) -> tuple[str, ...]:
         if len(part.encode()) > _NAME_MAX:
             raise _Broken(f"path component longer than {_NAME_MAX} bytes")
         if _is_dotgit(part):
-            raise _Broken(f"{part!r} is, or is treated by git as, a .git directory")
+            if _hfs_folded(part) == ".git" or _NTFS_DOTGIT.fullmatch(part):
+                raise _Broken(f"{part!r} is, or is treated by git as, a .git directory")
+            raise _Broken(
+                f"{part!r} holds a .git after a backslash, a separator on Windows: "
+                "git fsck refuses it (hasDotgit)"
+            )
     if len(parts) > _DEPTH_MAX:
         raise _Broken(f"more than {_DEPTH_MAX} path components")
     if parts and parts[0] in KERNEL_OWNED:
@@ -521,18 +549,57 @@ def _check_legible(text: str, what: str) -> None:
             raise _Broken(f"U+{ord(ch):04X} {unicodedata.name(ch)} in {what}")
 
 
+def _after_backslashes(part: str) -> Iterator[str]:
+    """What follows each backslash of a component: git fsck (fsck_tree) checks each of
+    these for an NTFS .git or .gitmodules too, since Windows reads '\\' as a separator."""
+    start = part.find("\\")
+    while start >= 0:
+        yield part[start + 1 :]
+        start = part.find("\\", start + 1)
+
+
 def _is_dotgit(part: str) -> bool:
-    return bool(_NTFS_DOTGIT.fullmatch(part)) or _hfs_folded(part) == ".git"
+    """.git as git reads it (is_hfs_dotgit, is_ntfs_dotgit), also after any backslash."""
+    return (
+        _hfs_folded(part) == ".git"
+        or _NTFS_DOTGIT.fullmatch(part) is not None
+        or any(_NTFS_DOTGIT.fullmatch(rest) for rest in _after_backslashes(part))
+    )
 
 
 def _is_gitmodules(parts: tuple[str, ...]) -> bool:
-    """git's own spellings of ".gitmodules": an HFS+ one as any component, or an NTFS one
-    at any component, which git reads on to the end of the path or to a ':'."""
+    """git's own spellings of ".gitmodules" (is_hfs_dotgitmodules, is_ntfs_dotgitmodules)
+    as any component, file or directory, and the NTFS ones after any backslash of one."""
     return any(
         _hfs_folded(part) == ".gitmodules"
-        or _NTFS_DOTGITMODULES.fullmatch("/".join(parts[index:])) is not None
-        for index, part in enumerate(parts)
+        or _NTFS_DOTGITMODULES.fullmatch(part) is not None
+        or any(_NTFS_DOTGITMODULES.fullmatch(rest) for rest in _after_backslashes(part))
+        for part in parts
     )
+
+
+def _is_gitattributes(part: str) -> bool:
+    """A component git fsck reads as .gitattributes (is_hfs_dotgitattributes,
+    is_ntfs_dotgitattributes). fsck_tree checks no backslash segment for this one."""
+    return (
+        _hfs_folded(part) == ".gitattributes" or _NTFS_DOTGITATTRIBUTES.fullmatch(part) is not None
+    )
+
+
+def _check_gitattributes(content: bytes) -> None:
+    """fsck_blob's rules for a .gitattributes file: the size, then each line up to the
+    first NUL (git scans the blob as a C string, with strchrnul for each '\\n')."""
+    if len(content) > _ATTR_MAX_FILE_SIZE:
+        raise _Broken(
+            f"a .gitattributes (or a name git reads so) of more than {_ATTR_MAX_FILE_SIZE} "
+            "bytes: git fsck refuses it (gitattributesLarge)"
+        )
+    text = content.split(b"\0", 1)[0]
+    if any(len(line) >= _ATTR_MAX_LINE_LENGTH for line in text.split(b"\n")):
+        raise _Broken(
+            f"a .gitattributes (or a name git reads so) with a line of {_ATTR_MAX_LINE_LENGTH} "
+            "bytes or more: git fsck refuses it (gitattributesLineLength)"
+        )
 
 
 def _hfs_folded(part: str) -> str:
