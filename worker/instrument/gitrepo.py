@@ -119,10 +119,11 @@ _REPO_CONFIG = {
     # descends from the head it expects, a new lineage is a creation, and import-bundle
     # creates its branch (and deletes its staging ref) with local git commands, which
     # receive-pack never sees.
-    # Not ``receive.fsckObjects``: git's fsck refuses trees the decoder accepts (a name
-    # with a backslash before ".git", a .gitattributes directory or one with a line of
-    # 2,048 bytes), so an organism that writes one would have every generation of its
-    # lineage refused on the hosts that push over ssh, and recorded on the others.
+    # Not ``receive.fsckObjects``: the decoder now refuses what git's fsck refuses, but a
+    # lineage recorded before it did may hold such a name (a backslash before ".git", a
+    # .gitattributes directory or long line), and every later tree of that lineage would
+    # be refused on the hosts that push over ssh and recorded on the others.
+    # deploy/README.md says when an operator may turn it on.
     "receive.denyNonFastForwards": "true",
     "receive.denyDeletes": "true",
 }
