@@ -406,8 +406,32 @@ def test_cgroup2_scope_parent_removed_while_it_is_prepared_is_made_again(
         cgroup2._delegate(base)
 
     scope = create_scope_dir(fake_v2, "v2-scope", closed_meanwhile)
-    assert attempts == [fake_v2 / SCOPE_PARENT] * 2
+    # Twice before the scope's mkdir, once after it (see the test below).
+    assert attempts == [fake_v2 / SCOPE_PARENT] * 3
     assert scope == fake_v2 / SCOPE_PARENT / "v2-scope" and scope.is_dir()
+
+
+def test_cgroup2_scope_parent_made_anew_by_another_life_gets_its_controllers(
+    fake_v2: Path,
+) -> None:
+    calls: list[Path] = []
+
+    def replaced_meanwhile(base: Path) -> None:
+        # The first time, right after this life enables the controllers, another life's
+        # close() removes the empty parent and a third life makes it anew, not yet
+        # delegating: the scope is then made in a parent without cpu, memory and pids.
+        calls.append(base)
+        cgroup2._delegate(base)
+        if len(calls) == 1:
+            (base / "cgroup.subtree_control").unlink()
+            base.rmdir()
+            base.mkdir()
+
+    scope = create_scope_dir(fake_v2, "v2-scope", replaced_meanwhile)
+    assert scope.is_dir() and scope.parent == fake_v2 / SCOPE_PARENT
+    # The stand-in file keeps what was written, as the kernel's lists what is enabled.
+    enabled = (scope.parent / "cgroup.subtree_control").read_text().split()
+    assert enabled == ["+cpu", "+memory", "+pids"]
 
 
 # --- cgroup2 in a container's own cgroup namespace, against a stand-in tree ---------------

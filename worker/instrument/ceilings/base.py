@@ -198,7 +198,11 @@ def create_scope_dir(
 
     A concurrent close() may remove an empty ``ouroboros`` between our mkdir calls,
     within ``mkdir(exist_ok=True)`` itself, or while ``prepare`` writes to it, so a
-    vanished parent is recreated a few times before giving up.
+    vanished parent is recreated a few times before giving up. Another life may also
+    remove it and make it anew between ``prepare`` and our scope's mkdir: the scope then
+    lies in a parent whose controllers its maker has not enabled yet (in cgroup v2 the
+    scope has no ``cpu.max`` to write, and the write fails with EACCES). So ``prepare``
+    runs again once the scope exists, when the parent cannot go away under it.
     """
     base = parent / SCOPE_PARENT
     for _attempt in range(5):
@@ -206,8 +210,8 @@ def create_scope_dir(
             base.mkdir(exist_ok=True)
             remove_debris(base)
             prepare(base)
-            (base / name).mkdir()
-            return base / name
+            scope = base / name
+            scope.mkdir()
         except FileNotFoundError:
             continue
         except CeilingError:
@@ -221,6 +225,12 @@ def create_scope_dir(
             continue
         except OSError as exc:
             raise CeilingError(f"cannot create cgroup {base / name}: {exc}") from exc
+        try:
+            prepare(base)
+        except BaseException:
+            remove_scope_dir(scope)
+            raise
+        return scope
     raise CeilingError(f"cannot create cgroup {base / name}: its parent keeps vanishing")
 
 
