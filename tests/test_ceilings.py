@@ -429,9 +429,26 @@ def test_cgroup2_scope_parent_made_anew_by_another_life_gets_its_controllers(
 
     scope = create_scope_dir(fake_v2, "v2-scope", replaced_meanwhile)
     assert scope.is_dir() and scope.parent == fake_v2 / SCOPE_PARENT
-    # The stand-in file keeps what was written, as the kernel's lists what is enabled.
+    # The stand-in file keeps what was written to it (the kernel's would list
+    # "cpu memory pids"): written, here, to the parent that holds the scope.
     enabled = (scope.parent / "cgroup.subtree_control").read_text().split()
     assert enabled == ["+cpu", "+memory", "+pids"]
+
+
+def test_a_scope_whose_parent_cannot_be_prepared_again_is_removed(fake_v2: Path) -> None:
+    sibling = fake_v2 / SCOPE_PARENT / "sibling"
+    sibling.mkdir(parents=True)
+    calls: list[Path] = []
+
+    def fails_the_second_time(base: Path) -> None:
+        calls.append(base)
+        if len(calls) == 2:
+            raise CeilingError("cannot write '+cpu' to the parent")
+
+    with pytest.raises(CeilingError, match="cannot write"):
+        create_scope_dir(fake_v2, "v2-scope", fails_the_second_time)
+    assert not (fake_v2 / SCOPE_PARENT / "v2-scope").exists()
+    assert sibling.is_dir()  # another life's scope, and so its parent, stay
 
 
 # --- cgroup2 in a container's own cgroup namespace, against a stand-in tree ---------------
