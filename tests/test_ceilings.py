@@ -485,12 +485,14 @@ def kernel_moves(root: Path, moved: list[int]) -> Iterator[None]:
     os.mkfifo(leaf / "cgroup.procs")
 
     def serve() -> None:
-        while True:
-            with (leaf / "cgroup.procs").open() as fifo:
-                written = fifo.read().split()
-            if written == ["stop"]:
-                return
-            for pid in written:
+        # Held open for writing too, for the whole test: the FIFO never lacks a reader
+        # (a write that came between one read's end and the next open failed with
+        # EPIPE) and never reaches its end.
+        with open(os.open(leaf / "cgroup.procs", os.O_RDWR)) as fifo:
+            for line in fifo:
+                pid = line.strip()
+                if pid == "stop":
+                    return
                 moved.append(int(pid))
                 listed = (root / "cgroup.procs").read_text().split()
                 (root / "cgroup.procs").write_text("".join(f"{p}\n" for p in listed if p != pid))
@@ -498,7 +500,7 @@ def kernel_moves(root: Path, moved: list[int]) -> Iterator[None]:
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     yield
-    (leaf / "cgroup.procs").write_text("stop")
+    (leaf / "cgroup.procs").write_text("stop\n")
     server.join(timeout=10)
 
 
