@@ -69,6 +69,11 @@ def _name(stem: str) -> str:
 
 @pytest.fixture
 def rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
+    return planner_rig(tmp_path, server, client)
+
+
+def planner_rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
+    """A scheduler's planner on ``server`` through ``client``, recording what it sends."""
     settings = Settings(
         home=tmp_path / "home",
         broker_url=server.url,

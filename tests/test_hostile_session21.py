@@ -13,7 +13,6 @@ of the client under attack, it writes the key again if it is absent.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,11 @@ from typing import Any
 import pytest
 import redis
 from lineage_support import PrivateRedis
-from test_fleet_rules import Rig, Sent, _dead_holder
+from test_fleet_rules import Rig, _dead_holder
+from test_hostile_recovery import planner_rig
 
 from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
-from worker.fleet.assembly import lineage_cache, observation_store
-from worker.fleet.planner import Planner
-from worker.fleet.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -70,26 +67,9 @@ def contested(server: PrivateRedis, attacker: redis.Redis) -> Iterator[Contested
     client.close()
 
 
-def _name(stem: str) -> str:
-    return f"{stem}-{secrets.token_hex(6)}"
-
-
 @pytest.fixture
 def rig(tmp_path: Path, server: PrivateRedis, contested: Contested) -> Rig:
-    settings = Settings(
-        home=tmp_path / "home",
-        broker_url=server.url,
-        visibility_timeout_seconds=7200,
-        inflight_ttl_seconds=3600,
-    )
-    planner = Planner(
-        settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
-        client=contested,
-        send=Sent(),
-    )
-    return Rig(planner=planner, sent=planner.send, client=contested, name=_name)  # type: ignore[arg-type]
+    return planner_rig(tmp_path, server, contested)
 
 
 LINEAGE = "contested"
