@@ -525,7 +525,7 @@ def _path_parts(name: str, kind: str) -> tuple[str, ...]:
         if len(part.encode()) > _NAME_MAX:
             raise _Broken(f"path component longer than {_NAME_MAX} bytes")
         if _is_dotgit(part):
-            if _hfs_folded(part) == ".git" or _NTFS_DOTGIT.fullmatch(part):
+            if _is_whole_dotgit(part):
                 raise _Broken(f"{part!r} is, or is treated by git as, a .git directory")
             raise _Broken(
                 f"{part!r} holds a .git after a backslash, a separator on Windows: "
@@ -565,11 +565,12 @@ def _check_legible(text: str, what: str) -> None:
 def _is_dotgit(part: str) -> bool:
     """.git as git reads it (is_hfs_dotgit, is_ntfs_dotgit), also after any backslash:
     git fsck (fsck_tree) checks what follows each '\\', a separator on Windows."""
-    return (
-        _hfs_folded(part) == ".git"
-        or _NTFS_DOTGIT.fullmatch(part) is not None
-        or _BACKSLASH_NTFS_DOTGIT.search(part) is not None
-    )
+    return _is_whole_dotgit(part) or _BACKSLASH_NTFS_DOTGIT.search(part) is not None
+
+
+def _is_whole_dotgit(part: str) -> bool:
+    """The component itself is .git as git reads it (is_hfs_dotgit, is_ntfs_dotgit)."""
+    return _hfs_folded(part) == ".git" or _NTFS_DOTGIT.fullmatch(part) is not None
 
 
 def _is_gitmodules(parts: tuple[str, ...]) -> bool:
