@@ -21,7 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from lineage_support import Fleet, MotoServer, Worker
+from lineage_support import MACHINE_REDIS, Fleet, MotoServer, Worker
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
@@ -38,7 +38,7 @@ _databases = itertools.count()
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     """A private, empty database on the machine's Redis."""
-    url = f"redis://127.0.0.1:6379/{1 + next(_databases) % 15}"
+    url = f"{MACHINE_REDIS}/{1 + next(_databases) % 15}"
     client = redis.Redis.from_url(url)
     client.flushdb()
     yield url

@@ -16,6 +16,9 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
 * ``free_port``, ``wait_for``, ``http_answers``, ``seed_file``, ``copy_instrument``,
   ``terminate``, and ``task_envelope`` (a
   Celery task message as kombu's Redis transport stores it, to publish hostile variants).
+* ``MACHINE_REDIS``: the machine's Redis the tests share (``OUROBOROS_TEST_REDIS``,
+  default ``redis://127.0.0.1:6379``), so two test sessions on one machine can each
+  point at a redis-server of their own instead of flushing each other's databases.
 * ``helper_name``: what ``Fleet.traced`` reports a spawned process as.
 * ``BYTECODE_CACHE``: one private bytecode cache for every fleet process of this
   test session or benchmark, the importing process and its children included (it
@@ -48,6 +51,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+# The machine's Redis, unless a test session names another (see the docstring).
+MACHINE_REDIS = os.environ.get("OUROBOROS_TEST_REDIS", "redis://127.0.0.1:6379").rstrip("/")
 
 INSTRUMENT_COMMIT = "a" * 40
 

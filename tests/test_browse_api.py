@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
 from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
-from lineage_support import SMALL_PHYSICS, Fleet, Worker, seed_file
+from lineage_support import MACHINE_REDIS, SMALL_PHYSICS, Fleet, Worker, seed_file
 
 from worker.fleet.assembly import observation_store
 from worker.fleet.runs import RunRecord
@@ -231,7 +231,7 @@ def test_views_of_a_lineage_made_by_the_pipeline(tmp_path: Path) -> None:
 @pytest.mark.root
 def test_overview_lists_live_workers_and_the_instrument_queue_they_serve(tmp_path: Path) -> None:
     # The machine's Redis (scripts/test.sh starts it); inspection only, no jobs.
-    fleet = Fleet(tmp_path, OUROBOROS_BROKER_URL="redis://127.0.0.1:6379/13")
+    fleet = Fleet(tmp_path, OUROBOROS_BROKER_URL=f"{MACHINE_REDIS}/13")
     fleet.ok("init", "demo", *SMALL_PHYSICS)
     worker = Worker(fleet, "browse")
     served = None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import PrivateRedis
+from lineage_support import MACHINE_REDIS, PrivateRedis
 
 from scheduler.cli.lineages import until_next_pass
 from worker.fleet import leases
@@ -43,7 +43,7 @@ from worker.instrument.names import ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import IndexEntry, LineageIndex
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = f"{MACHINE_REDIS}/0"
 SEED = b';;; rules organism  -*- lexical-binding: t; -*-\n(message "hi")\n'
 INSTRUMENT = Instrument(
     fingerprint=hashlib.sha256(b"fleet-rules stand-in instrument").hexdigest(),

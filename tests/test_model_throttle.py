@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from lineage_support import MACHINE_REDIS
 
 from worker.fleet.assembly import model_cap, model_throttle
 from worker.fleet.model_throttle import RedisThrottle
 from worker.fleet.settings import Settings
 from worker.instrument.model.throttle import Cap, LocalThrottle, NoRoom, Throttle
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = f"{MACHINE_REDIS}/0"
 WINDOW = 1.0
 NEVER = threading.Event()
 
