@@ -189,7 +189,7 @@ def run(
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
-    from scheduler.follow import NoWorker, describe, watch
+    from scheduler.follow import NoWorker, SourceLost, describe, watch
     from scheduler.status import Fleet
     from worker.fleet.runs import job_of, queue_of
 
@@ -219,19 +219,36 @@ def run(
             f"budget ${record.budget_usd}, {provider}",
             highlight=False,
         )
-    workers = asking.result()
-    pool.shutdown()
-    if not (follow or wait):
-        for meta in metas.values():
-            waiting = fleet.waiting(meta, workers)
-            if waiting:
-                warn("note", waiting)
-        return
     try:
-        final = watch(fleet, list(names), console, follow, settings.worker_wait_seconds, workers)
-    except NoWorker as exc:
+        workers = asking.result()
+        pool.shutdown()
+        if not (follow or wait):
+            for meta in metas.values():
+                waiting = fleet.waiting(meta, workers)
+                if waiting:
+                    warn("note", waiting)
+            return
+        final = watch(
+            fleet,
+            list(names),
+            console,
+            follow,
+            settings.worker_wait_seconds,
+            workers,
+            settings.follow_outage_seconds,
+        )
+    except (NoWorker, SourceLost) as exc:
         warn("giving up", exc)
         sys.exit(1)
+    except KeyboardInterrupt:
+        # The runs are recorded and enqueued: only this command stops, never a run.
+        listed = " ".join(names)
+        warn(
+            "stopped following",
+            f"the runs go on on the fleet; see schedule-lineage status {listed}; "
+            "stop one with schedule-lineage cancel NAME",
+        )
+        sys.exit(130)
     for status in final:
         console.print(describe(status), highlight=False)
     if any(status.blocked for status in final):
