@@ -11,15 +11,14 @@ its value.
 
 from __future__ import annotations
 
-import errno
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable
 
 import redis
 from pydantic import BaseModel
 
+from scheduler.sources import unreachable
 from worker.fleet import embedded_redis, leases
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.settings import Settings
@@ -120,31 +119,10 @@ def _broker(settings: Settings) -> Check:
     except redis.TimeoutError:
         problem = "did not answer in time (a firewall, or an overloaded server)"
     except (redis.ConnectionError, OSError) as exc:
-        problem = _unreachable(exc)
+        problem = unreachable(exc)
     else:
         return Check(name="broker", ok=True, detail=f"{where} answers")
     return Check(name="broker", ok=False, detail=f"{where} {problem}")
-
-
-def _unreachable(exc: BaseException) -> str:
-    """Why a connection failed, in words, from the operating system's error under it."""
-    cause: BaseException | None = exc
-    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
-        cause = cause.__cause__ or cause.__context__
-    code = cause.errno if isinstance(cause, OSError) else None
-    reasons = {
-        errno.ECONNREFUSED: "refused the connection: nothing listens there",
-        errno.ENOENT: "has no socket at that path: nothing listens there",
-        errno.EACCES: "may not be opened by this user (permission denied)",
-        errno.EHOSTUNREACH: "is unreachable: no route to the host",
-        errno.ENETUNREACH: "is unreachable: no route to the network",
-        errno.ETIMEDOUT: "did not answer in time (a firewall, or a host that is down)",
-    }
-    if code in reasons:
-        return reasons[code]
-    if isinstance(cause, socket.gaierror):
-        return "names a host that does not resolve"
-    return "cannot be reached"
 
 
 def _absent() -> str:

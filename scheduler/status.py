@@ -9,48 +9,81 @@ loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 
+Each source is asked for its own fields only, so a status degrades instead of
+failing: with the broker down, what git and the store know is shown and in flight
+and blocked are unknown; with the store down, what git and the broker know is shown
+and the run, the spend, the deaths and the backlog are unknown. A source that did
+not answer is not asked again in the same pass (``Outages``), and every row of the
+pass says which sources those were and why (``LineageStatus.unavailable``, worded by
+``scheduler.sources``). Only the shared repository is essential: without it there is
+no lineage to show.
+
 Trusts: the shared repository, the observation store, the broker.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from decimal import Decimal
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
+import redis
 from pydantic import BaseModel
 
 from scheduler.genealogy import Genealogy, genealogy
-from scheduler.liveness import Workers, ask, start_hint, waiting_line
+from scheduler.liveness import UNREACHABLE, Workers, ask, start_hint, waiting_line
+from scheduler.sources import Source, why
 from worker.fleet import embedded_redis, leases
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import GitError
 from worker.instrument.job import GenerationJob
 from worker.instrument.lineage import LineageMetadata, root_metadata
 from worker.instrument.records import DEATHS
+from worker.instrument.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from celery import Celery
 
+T = TypeVar("T")
+# Which source did not answer in this pass, and the line that says so.
+Outages = dict[Source, str]
+# What each source fails with when it does not answer.
+FAILURES: dict[Source, tuple[type[Exception], ...]] = {
+    "broker": (redis.RedisError,),
+    "store": (StoreUnavailable,),
+    "repository": (GitError,),
+}
+
 
 class LineageStatus(BaseModel):
+    """One lineage: the lineage's totals, its current run, and what the broker says now.
+
+    A field of a source named in ``unavailable`` is None: unknown, not "none".
+    """
+
     lineage: str
+    # The lineage's totals (git: generations; the store: deaths, spend, backlog).
     generation: int
+    deaths: int | None
+    lineage_spent_usd: Decimal | None
+    last_outcome: str | None
+    observation_backlog: int | None
+    # The current (latest) run, from the store.
     run_id: str | None
     target: int | None
     done: int
-    in_flight: str | None
-    last_outcome: str | None
     run_outcomes: dict[str, int]
-    deaths: int
-    spent_usd: Decimal
+    run_spent_usd: Decimal | None
     budget_usd: Decimal | None
-    observation_backlog: int
     stopped: str | None
+    # From the broker.
+    in_flight: str | None
     blocked: str | None
     queue: str | None
     instrument_fingerprint: str | None
@@ -63,6 +96,9 @@ class LineageStatus(BaseModel):
     # Why the run does not advance and how to make it, when no live worker serves ``queue``.
     waiting: str | None
     genealogy: Genealogy
+    # The sources that did not answer for this row ("broker", "store"), each with the
+    # line saying so.
+    unavailable: Outages = {}
 
 
 class Fleet:
@@ -118,35 +154,48 @@ class Fleet:
         )
         return waiting_line(meta.name, queue, workers, hint)
 
-    def status(self, lineage: str, workers: Workers | None = None) -> LineageStatus:
-        """``lineage``'s status; without ``workers`` (not asked), nothing about liveness."""
+    def status(
+        self, lineage: str, workers: Workers | None = None, outages: Outages | None = None
+    ) -> LineageStatus:
+        """``lineage``'s status; without ``workers`` (not asked), nothing about liveness.
+
+        ``outages`` is the pass's record of sources that did not answer (a fresh one
+        by default): a source in it is not asked, and one that fails now is added.
+        """
+        outages = {} if outages is None else outages
         planner = self.planner
         head = planner.cache.fetch(lineage)
         if head is None:
             raise Refusal(f"no lineage named {lineage}; see schedule-lineage status for all")
         generation = planner.generation_count(lineage, head)
-        index = planner.index(lineage).generations
-        run = planner.latest_run(lineage)
+        found = self._ask("store", outages, lambda: planner.index(lineage).generations)
+        run = self._ask("store", outages, lambda: planner.latest_run(lineage))
+        index = found or []
         # The index just read serves the run's progress too: one read per lineage.
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
-        in_flight = leases.in_flight(planner.client, lineage)
+        in_flight = self._ask("broker", outages, lambda: leases.in_flight(planner.client, lineage))
         row = LineageStatus(
             lineage=lineage,
             generation=generation,
+            deaths=sum(e.outcome in DEATHS for e in index) if found is not None else None,
+            lineage_spent_usd=sum((e.spent_usd for e in index), Decimal(0))
+            if found is not None
+            else None,
+            last_outcome=index[-1].outcome if index else None,
+            # Only fleet lineages are observed; an imported one owes no observations.
+            observation_backlog=(max(0, generation - len(index)) if queue else 0)
+            if found is not None
+            else None,
             run_id=run.run_id if run else None,
             target=run.target_generation if run else None,
             done=progress.done if progress else 0,
-            in_flight=in_flight,
-            last_outcome=index[-1].outcome if index else None,
             run_outcomes=dict(Counter(e.outcome for e in index if run and e.run_id == run.run_id)),
-            deaths=sum(e.outcome in DEATHS for e in index),
-            spent_usd=progress.spent_usd if progress else Decimal(0),
+            run_spent_usd=progress.spent_usd if progress else None,
             budget_usd=run.budget_usd if run else None,
-            # Only fleet lineages are observed; an imported one owes no observations.
-            observation_backlog=max(0, generation - len(index)) if queue else 0,
             stopped=progress.stopped if progress else None,
-            blocked=leases.blocked(planner.client, lineage),
+            in_flight=in_flight,
+            blocked=self._ask("broker", outages, lambda: leases.blocked(planner.client, lineage)),
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
             workers=None,
@@ -154,8 +203,19 @@ class Fleet:
             waiting_for_instrument=False,
             waiting=None,
             genealogy=genealogy(lineage, self.metadata),
+            unavailable=outages,
         )
         return self._live(row, meta, workers) if meta and workers else row
+
+    def _ask(self, source: Source, outages: Outages, read: Callable[[], T]) -> T | None:
+        """``read()`` from ``source``; None if it is down in this pass or fails now."""
+        if source in outages:
+            return None
+        try:
+            return read()
+        except FAILURES[source] as exc:
+            outages[source] = why(source, self.settings, exc)
+            return None
 
     def _live(self, row: LineageStatus, meta: LineageMetadata, workers: Workers) -> LineageStatus:
         """``row`` with which live workers serve its queue, and what a waiting user is told."""
@@ -187,16 +247,18 @@ class Fleet:
             return None  # an imported lineage: browsable, never run by this fleet
 
     def statuses(self, names: list[str] | None = None) -> list[LineageStatus]:
-        """The status of each lineage (every one by default).
+        """The status of each lineage (every one by default), in one pass.
 
         The live workers are asked which queues they serve (a broadcast that waits out
         its whole timeout) only when some lineage has a run still wanting generations:
-        for any other, no worker could be missing.
+        for any other, no worker could be missing. A broker already found down is not
+        asked again: its workers are unknown.
         """
-        rows = [self.status(name) for name in (names or self.planner.lineages())]
+        outages: Outages = {}
+        rows = [self.status(name, outages=outages) for name in (names or self.planner.lineages())]
         if not any(_wants_more(row) for row in rows):
             return rows
-        workers = self.workers()
+        workers = UNREACHABLE if "broker" in outages else self.workers()
         return [
             self._live(row, meta, workers) if (meta := self.metadata.get(row.lineage)) else row
             for row in rows

@@ -398,7 +398,7 @@ def test_budget_exhaustion_stops_a_run_and_status_says_why(
     rows = json.loads(fleet.ok("status", "thrifty", "--json").stdout)
     assert rows[0]["stopped"] == "budget exhausted"
     assert 1 <= rows[0]["done"] < 50
-    assert float(rows[0]["spent_usd"]) <= 0.012
+    assert float(rows[0]["run_spent_usd"]) <= 0.012
 
 
 def test_cancel_stops_a_run_after_the_generation_in_flight(
@@ -431,7 +431,7 @@ def test_a_run_started_over_a_queued_one_replaces_it(fleet: Fleet, workers: list
     row = wait_for(landed, 180, "the second run to land its generation")
     # The generation is the new run's, paid from its budget, not the replaced run's.
     assert (row["generation"], row["done"], row["stopped"]) == (1, 1, "target reached"), row
-    assert row["run_outcomes"] == {"changed": 1} and float(row["spent_usd"]) > 0, row
+    assert row["run_outcomes"] == {"changed": 1} and float(row["run_spent_usd"]) > 0, row
     assert_linear(fleet, "again", 1)
 
 

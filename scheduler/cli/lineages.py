@@ -1,17 +1,20 @@
 """Commands that make and drive lineages: ``init``, ``fork``, ``run``, ``cancel``, ``reconcile``.
 
 Imported only when one of them runs (see ``scheduler.cli``); ``run --local`` builds
-the same pipeline the Celery task runs, through ``worker.fleet.assembly``. The
+the same pipeline the Celery task runs, through ``worker.fleet.assembly``, and says
+what each life waits for from the model socket's own log (``_Waits``). The
 broker's side (Redis, the planner, the progress display) is imported by the commands
 that talk to the fleet, so ``run --local`` never pays for it.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,6 +42,7 @@ from worker.instrument.lineage import (
 )
 from worker.instrument.model.catalogue import require_known
 from worker.instrument.model.providers import make_provider
+from worker.instrument.model.server import waits
 from worker.instrument.physics import Physics
 from worker.instrument.store import StoreUnavailable
 
@@ -189,7 +193,7 @@ def run(
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
-    from scheduler.follow import NoWorker, describe, watch
+    from scheduler.follow import NoWorker, SourceLost, describe, watch
     from scheduler.status import Fleet
     from worker.fleet.runs import job_of, queue_of
 
@@ -219,19 +223,36 @@ def run(
             f"budget ${record.budget_usd}, {provider}",
             highlight=False,
         )
-    workers = asking.result()
-    pool.shutdown()
-    if not (follow or wait):
-        for meta in metas.values():
-            waiting = fleet.waiting(meta, workers)
-            if waiting:
-                warn("note", waiting)
-        return
     try:
-        final = watch(fleet, list(names), console, follow, settings.worker_wait_seconds, workers)
-    except NoWorker as exc:
+        workers = asking.result()
+        pool.shutdown()
+        if not (follow or wait):
+            for meta in metas.values():
+                waiting = fleet.waiting(meta, workers)
+                if waiting:
+                    warn("note", waiting)
+            return
+        final = watch(
+            fleet,
+            list(names),
+            console,
+            follow,
+            settings.worker_wait_seconds,
+            workers,
+            settings.follow_outage_seconds,
+        )
+    except (NoWorker, SourceLost) as exc:
         warn("giving up", exc)
         sys.exit(1)
+    except KeyboardInterrupt:
+        # The runs are recorded and enqueued: only this command stops, never a run.
+        listed = " ".join(names)
+        warn(
+            "stopped following",
+            f"the runs go on on the fleet; see schedule-lineage status {listed}; "
+            "stop one with schedule-lineage cancel NAME",
+        )
+        sys.exit(130)
     for status in final:
         console.print(describe(status), highlight=False)
     if any(status.blocked for status in final):
@@ -251,10 +272,19 @@ def run_local(
     pipeline = build_pipeline(settings, ceiling)
     for name in names:
         pipeline.head(name)
+    shown = _Waits()
+    waits.addHandler(shown)
+    waits.setLevel(logging.DEBUG)
+    waits.propagate = False  # shown here, once, whatever logging a library configured
     for name in names:
         for _ in range(generations):
-            job = GenerationJob(
-                lineage=name, expected_commit=pipeline.head(name), provider=provider, model=model
+            head = pipeline.head(name)
+            job = GenerationJob(lineage=name, expected_commit=head, provider=provider, model=model)
+            number = pipeline.cache.history(name, head).generations + 1
+            wall = root_metadata(pipeline.cache, head, name).physics.wall_seconds
+            shown.life = f"{name} gen {number}"
+            console.print(
+                f"{shown.life}: living from {_clock()} UTC (wall {wall} s)", highlight=False
             )
             try:
                 report = pipeline.run(job)
@@ -267,6 +297,25 @@ def run_local(
                 f"{report.commit[:12]} spent ${report.spent_usd}{pending}",
                 highlight=False,
             )
+
+
+class _Waits(logging.Handler):
+    """Prints what the life of ``run --local`` waits for, from the model socket's log.
+
+    Its lines are the instrument's own words (``worker.instrument.model.server.waits``):
+    a model call's attempt as it starts, and a failed attempt with the time of the next.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.life = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        console.print(f"{self.life}: {record.getMessage()}", highlight=False, markup=False)
+
+
+def _clock() -> str:
+    return datetime.now(UTC).strftime("%H:%M:%S")
 
 
 @click.command()

@@ -18,7 +18,9 @@ between attempts counts against that deadline. An attempt that failed is charged
 nothing, unless the vendor may have served it (its answer was lost after the whole
 request was sent): then it keeps its reservation, as any lost answer does, and the
 next attempt must first reserve its own worst case within the budget. So no charge
-ever exceeds the reservation it settles, and the budget stays a hard ceiling.
+ever exceeds the reservation it settles, and the budget stays a hard ceiling. Each
+attempt and each wait before another is also logged, in the instrument's own words,
+on the ``waits`` logger, so that whoever watches a life knows what it waits for.
 
 The client is the organism, which may be hostile, so what one generation's socket can
 hold is bounded, whatever the client does:
@@ -57,7 +59,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from http import HTTPStatus
 from pathlib import Path
@@ -86,6 +88,10 @@ from worker.instrument.physics import Physics
 from worker.instrument.records import AttemptOutcome, ModelAttempt, ModelCall
 
 logger = logging.getLogger(__name__)
+# What a life waits for, worded by the instrument alone (never a vendor's or an
+# organism's text, so a hostile client cannot fill it): each attempt as it starts
+# (debug) and each wait before another (info). ``run --local`` shows both.
+waits = logging.getLogger(f"{__name__}.waits")
 
 CAPABILITIES_SCHEMA = "ouroboros-capabilities/v1"
 SANDBOX_SOCKET = "/kernel/model.sock"
@@ -578,6 +584,7 @@ class ModelSocket:
         for number in itertools.count(1):
             attempt = _Attempt(number, datetime.now(UTC), time.monotonic())
             call.current = attempt
+            waits.debug("model call %d: attempt %d to %s", call.index, number, self.provider.name)
             future = self._model_threads.submit(
                 functools.partial(self._attempt, attempt, prompt, tokens, estimate, deadline)
             )
@@ -635,6 +642,15 @@ class ModelSocket:
             )
             if wait is None:
                 raise ProviderUnavailable(error)
+            waits.info(
+                "model call %d: attempt %d failed (%s); attempt %d at %s UTC, in %.0f s",
+                call.index,
+                number,
+                f"HTTP {failure.status}" if failure.status else outcome.replace("_", " "),
+                number + 1,
+                (datetime.now(UTC) + timedelta(seconds=wait)).strftime("%H:%M:%S"),
+                wait,
+            )
             await asyncio.sleep(wait)
         raise AssertionError("unreachable: attempts end by answering or raising")
 
