@@ -1,11 +1,11 @@
 """The scheduler's handle on the fleet, and the status of each lineage it reports.
 
-Owns the status of each lineage (target, done, in flight, last outcome, deaths,
-spend, observation backlog, which live workers serve the lineage's instrument
-queue, with the sentence a waiting user is told when none does (see
-``scheduler.liveness``), and its genealogy) and the scheduler's planner, which sends
-jobs through a client Celery app (``worker.fleet.app``; the worker's own app is never
-loaded here).
+Owns the status of each lineage (target, done, in flight, last outcome and whether
+its model calls all failed, the run's generations so marked, deaths, spend,
+observation backlog, which live workers serve the lineage's instrument queue, with
+the sentence a waiting user is told when none does (see ``scheduler.liveness``), and
+its genealogy) and the scheduler's planner, which sends jobs through a client Celery
+app (``worker.fleet.app``; the worker's own app is never loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 
@@ -45,7 +45,12 @@ class LineageStatus(BaseModel):
     done: int
     in_flight: str | None
     last_outcome: str | None
+    # The last generation's model calls all failed at the provider: its outcome is the
+    # organism's, and this mark says the model never answered it.
+    last_model_unavailable: bool = False
     run_outcomes: dict[str, int]
+    # The current run's generations marked "model unavailable", whatever their outcome.
+    run_model_unavailable: int = 0
     deaths: int
     spent_usd: Decimal
     budget_usd: Decimal | None
@@ -131,6 +136,7 @@ class Fleet:
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
         in_flight = leases.in_flight(planner.client, lineage)
+        mine = [e for e in index if run and e.run_id == run.run_id]
         row = LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -139,7 +145,9 @@ class Fleet:
             done=progress.done if progress else 0,
             in_flight=in_flight,
             last_outcome=index[-1].outcome if index else None,
-            run_outcomes=dict(Counter(e.outcome for e in index if run and e.run_id == run.run_id)),
+            last_model_unavailable=bool(index) and index[-1].model_unavailable,
+            run_outcomes=dict(Counter(e.outcome for e in mine)),
+            run_model_unavailable=sum(e.model_unavailable for e in mine),
             deaths=sum(e.outcome in DEATHS for e in index),
             spent_usd=progress.spent_usd if progress else Decimal(0),
             budget_usd=run.budget_usd if run else None,

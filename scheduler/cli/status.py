@@ -62,7 +62,8 @@ def _table(rows: list[LineageStatus]) -> Table:
             row.lineage,
             f"{row.generation}/{row.target}" if row.target else str(row.generation),
             "yes" if row.in_flight else "no",
-            row.last_outcome or "-",
+            (row.last_outcome or "-")
+            + (" (model unavailable)" if row.last_model_unavailable else ""),
             str(row.deaths),
             f"${row.spent_usd:.4f}"
             + (f" of ${row.budget_usd}" if row.budget_usd is not None else ""),
