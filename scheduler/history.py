@@ -2,10 +2,10 @@
 
 Owns the parsing of what ``worker.instrument.journal`` writes (and what the single-host
 original wrote before it): which commits are generations and their numbers, their
-outcome as the subject states it, and the journal entry of one generation with a
-death's exit status and fenced stderr lines. Generation numbers come only from
-``gen N:`` subjects, never from positions, because out-of-loop commits (seed,
-external edits, hand commits) sit between generations.
+outcome as the subject states it (and its "model unavailable" mark), and the journal
+entry of one generation with a death's exit status and fenced stderr lines. Generation
+numbers come only from ``gen N:`` subjects, never from positions, because out-of-loop
+commits (seed, external edits, hand commits) sit between generations.
 
 Trusts nothing it parses: subjects and journal text are lineage content, so every
 function here is total (unparseable text is reported as such, never raised).

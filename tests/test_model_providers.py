@@ -526,10 +526,12 @@ def test_a_redirect_is_never_followed_with_the_key(
     stand_in.location = f"{stand_in.url}/elsewhere"
     provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
 
-    with pytest.raises(ProviderUnavailable, match="302"):
+    with pytest.raises(ProviderUnavailable, match="302") as failure:
         provider.generate("p", 5, 5, CONTEXT)
 
     assert [r.path for r in stand_in.received] == ["/v1/chat/completions"]
+    # The base URL is not the API's: waiting will not fix it.
+    assert failure.value.refused
 
 
 def test_openai_compatible_needs_base_url_model_and_explicit_prices(stand_in: StandIn) -> None:
@@ -630,6 +632,8 @@ def test_vendor_http_errors_say_whether_the_request_may_succeed_later(
         provider.generate("p", 10, 5, CONTEXT)
 
     assert (failure.value.status, failure.value.retryable) == (status, retryable)
+    # A 4xx the vendor does not call passing is a refusal: waiting will not fix it.
+    assert failure.value.refused == (not retryable)
     assert failure.value.may_have_billed is False
     assert failure.value.retry_after is None
 
@@ -860,9 +864,10 @@ def test_key_removed_after_start_fails_the_call_naming_only_the_variable(
     provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
     monkeypatch.delenv("ANTHROPIC_API_KEY")
 
-    with pytest.raises(ProviderUnavailable, match="ANTHROPIC_API_KEY is not set"):
+    with pytest.raises(ProviderUnavailable, match="ANTHROPIC_API_KEY is not set") as failure:
         provider.generate("p", 1, 5, CONTEXT)
     assert stand_in.received == []
+    assert failure.value.refused  # until the key is back, every call fails alike
 
 
 def test_key_reaches_neither_log_nor_audit_record_nor_organism(

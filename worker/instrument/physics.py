@@ -70,7 +70,7 @@ class Physics(BaseModel):
         # A lineage pinned with a wall under twice the default margin before the margin
         # existed must still read back (and live): its margin is then half its wall.
         if isinstance(data, dict) and "model_margin_seconds" not in data:
-            wall = data.get("wall_seconds", 600)
+            wall = data.get("wall_seconds", cls.model_fields["wall_seconds"].default)
             if isinstance(wall, int) and not isinstance(wall, bool) and wall >= 0:
                 return {**data, "model_margin_seconds": min(MODEL_MARGIN_SECONDS, wall // 2)}
         return data

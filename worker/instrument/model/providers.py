@@ -103,7 +103,8 @@ class ProviderUnavailable(Exception):
 
     refused says whether the provider said no in a way waiting will not fix: a 4xx
     it does not call passing (401, 403, 404, an unknown model, a request it calls
-    invalid) or a key the worker cannot read. Every other failure is a passing one,
+    invalid), a redirect (the base URL is not the API's) or a key the worker cannot
+    read. Every other failure is a passing one,
     or one the vendor's own fault may explain (a reply cut short or malformed).
     """
 
@@ -122,7 +123,7 @@ class ProviderUnavailable(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.status = status
-        self.refused = refused or (not retryable and status is not None and 400 <= status < 500)
+        self.refused = refused or (not retryable and status is not None and 300 <= status < 500)
 
 
 class Provider(ABC):
