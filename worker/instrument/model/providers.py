@@ -104,8 +104,8 @@ class ProviderUnavailable(Exception):
     refused says whether the provider said no in a way waiting will not fix: a 4xx
     it does not call passing (401, 403, 404, an unknown model, a request it calls
     invalid), a redirect (the base URL is not the API's) or a key the worker cannot
-    read. Every other failure is a passing one,
-    or one the vendor's own fault may explain (a reply cut short or malformed).
+    read. Every other failure is a passing one, or one the vendor's own fault may
+    explain (a reply cut short or malformed).
     """
 
     def __init__(

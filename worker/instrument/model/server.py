@@ -16,13 +16,15 @@ calls passing, until the call's deadline: model_timeout_seconds from its arrival
 the end of the life's wall time less model_margin_seconds, whichever comes first, so
 that a hung vendor leaves the organism time to hear its 502 and act on it before
 its wall. Waiting for the cap and between attempts counts against that deadline.
+An attempt that failed is charged nothing, unless the vendor may have served it (its
+answer was lost after the whole request was sent): then it keeps its reservation, as
+any lost answer does, and the next attempt must first reserve its own worst case
+within the budget. So no charge ever exceeds the reservation it settles, and the
+budget stays a hard ceiling.
+
 The socket also sums up the generation's failures at the provider
 (``ModelSocket.model_failure``): how many calls failed there, how many it answered,
-and whether any failure was a refusal that waiting will not fix. An attempt that failed is charged
-nothing, unless the vendor may have served it (its answer was lost after the whole
-request was sent): then it keeps its reservation, as any lost answer does, and the
-next attempt must first reserve its own worst case within the budget. So no charge
-ever exceeds the reservation it settles, and the budget stays a hard ceiling.
+and whether any failure was a refusal that waiting will not fix.
 
 The client is the organism, which may be hostile, so what one generation's socket can
 hold is bounded, whatever the client does:
