@@ -57,6 +57,8 @@ class SourceLost(Exception):
 
 def describe(status: LineageStatus) -> str:
     counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(status.run_outcomes.items()))
+    if status.run_model_unavailable:
+        counts += f" ({status.run_model_unavailable} model unavailable)"
     state = status.stopped or status.blocked
     if state is None and status.waiting_for_instrument:
         state = f"waiting for a worker on {status.queue}"

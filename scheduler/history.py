@@ -2,10 +2,10 @@
 
 Owns the parsing of what ``worker.instrument.journal`` writes (and what the single-host
 original wrote before it): which commits are generations and their numbers, their
-outcome as the subject states it, and the journal entry of one generation with a
-death's exit status and fenced stderr lines. Generation numbers come only from
-``gen N:`` subjects, never from positions, because out-of-loop commits (seed,
-external edits, hand commits) sit between generations.
+outcome as the subject states it (and its "model unavailable" mark), and the journal
+entry of one generation with a death's exit status and fenced stderr lines. Generation
+numbers come only from ``gen N:`` subjects, never from positions, because out-of-loop
+commits (seed, external edits, hand commits) sit between generations.
 
 Trusts nothing it parses: subjects and journal text are lineage content, so every
 function here is total (unparseable text is reported as such, never raised).
@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel
 
-from worker.instrument.journal import JOURNAL_STDERR_LINES
+from worker.instrument.journal import JOURNAL_STDERR_LINES, UNAVAILABLE_MARK
 from worker.instrument.names import generation_number
 
 CommitKind = Literal["changed", "no-change", "died", "generation", "seed", "out-of-loop"]
@@ -26,10 +26,13 @@ CommitKind = Literal["changed", "no-change", "died", "generation", "seed", "out-
 # Current wording: "gen N: changed (organism +A/-D; K paths)", "gen N: no-change",
 # "gen N: died (exit R); staged writes discarded". Legacy: "gen N: changed +A/-B",
 # "gen N: died (exit R); reverted". "generation" is a numbered subject whose rest
-# neither wording explains: still a generation, outcome unknown.
+# neither wording explains: still a generation, outcome unknown. Any current subject may
+# end in the "model unavailable" mark: "gen N: no-change (model unavailable: 3 calls
+# failed)"; older lineages have none.
 _CHANGED = re.compile(r"^changed(?: \((?P<current>[^)]*)\)| (?P<legacy>\+\d+/-\d+))$")
 _DIED = re.compile(r"^died \(exit (-?\d{1,6})\);")
 _HEADING = re.compile(r"^## gen ([1-9][0-9]{0,8}) — (.*?)(?: — (\S+))?$")
+_UNAVAILABLE = re.compile(UNAVAILABLE_MARK)
 _FENCE = "~~~"
 _EXIT_LINE = re.compile(r"^exit (-?\d{1,6})$")
 
@@ -41,6 +44,8 @@ class SubjectMeaning(NamedTuple):
     generation: int | None = None
     exit_status: int | None = None
     summary: str | None = None
+    # The subject carries the mark of a generation whose model calls all failed.
+    model_unavailable: bool = False
 
 
 class JournalEntry(BaseModel):
@@ -59,17 +64,19 @@ def parse_subject(subject: str, *, is_root: bool) -> SubjectMeaning:
     generation = generation_number(subject)
     if generation is None:
         return SubjectMeaning(kind="seed" if is_root else "out-of-loop")
-    rest = subject.split(": ", 1)[1]
+    marked = subject.split(": ", 1)[1]
+    rest = _UNAVAILABLE.sub("", marked)
+    unavailable = rest != marked
     if rest == "no-change":
-        return SubjectMeaning(kind="no-change", generation=generation)
+        return SubjectMeaning("no-change", generation, model_unavailable=unavailable)
     changed = _CHANGED.match(rest)
     if changed:
         summary = changed.group("current") or f"organism {changed.group('legacy')}"
-        return SubjectMeaning(kind="changed", generation=generation, summary=summary)
+        return SubjectMeaning("changed", generation, None, summary, unavailable)
     died = _DIED.match(rest)
     if died:
-        return SubjectMeaning(kind="died", generation=generation, exit_status=int(died.group(1)))
-    return SubjectMeaning(kind="generation", generation=generation, summary=rest[:200])
+        return SubjectMeaning("died", generation, int(died.group(1)), None, unavailable)
+    return SubjectMeaning("generation", generation, summary=marked[:200])
 
 
 def journal_entries(journal: str) -> dict[int, JournalEntry]:

@@ -91,6 +91,7 @@ class Commit(NamedTuple):
     generation: int | None
     exit_status: int | None
     summary: str | None
+    model_unavailable: bool = False
 
     def view(self) -> CommitView:
         return CommitView(**self._asdict())
@@ -455,11 +456,12 @@ class Reader:
         index = index if index is not None else self._index(history.name)
         metas = metas if metas is not None else self.metadata()
         outcomes: Counter[str] = Counter()
-        observed = 0
+        observed = unavailable = 0
         for commit in history.by_generation.values():
             figures = _figures(commit, index)
             observed += figures is not None
             outcomes[_outcome_class(figures.outcome if figures else commit.kind)] += 1
+            unavailable += figures.model_unavailable if figures else commit.model_unavailable
         latest = max(history.by_generation, default=0)
         last = history.by_generation.get(latest)
         last_entry = index.entries.get(latest) if index else None
@@ -481,6 +483,7 @@ class Reader:
             instrument_fingerprint=history.metadata.instrument_fingerprint if fleet else None,
             generations=latest,
             outcomes=dict(outcomes),
+            model_unavailable=unavailable,
             out_of_loop=len(history.commits) - history.numbered,
             last_generation_at=(
                 last_entry.finished_at

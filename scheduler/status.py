@@ -1,11 +1,11 @@
 """The scheduler's handle on the fleet, and the status of each lineage it reports.
 
-Owns the status of each lineage (target, done, in flight, last outcome, deaths,
-spend, observation backlog, which live workers serve the lineage's instrument
-queue, with the sentence a waiting user is told when none does (see
-``scheduler.liveness``), and its genealogy) and the scheduler's planner, which sends
-jobs through a client Celery app (``worker.fleet.app``; the worker's own app is never
-loaded here).
+Owns the status of each lineage (target, done, in flight, last outcome and whether
+its model calls all failed, the run's generations so marked, deaths, spend,
+observation backlog, which live workers serve the lineage's instrument queue, with
+the sentence a waiting user is told when none does (see ``scheduler.liveness``), and
+its genealogy) and the scheduler's planner, which sends jobs through a client Celery
+app (``worker.fleet.app``; the worker's own app is never loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 
@@ -73,6 +73,9 @@ class LineageStatus(BaseModel):
     deaths: int | None
     lineage_spent_usd: Decimal | None
     last_outcome: str | None
+    # The last generation's model calls all failed at the provider: its outcome is the
+    # organism's, and this mark says the model never answered it.
+    last_model_unavailable: bool = False
     observation_backlog: int | None
     # The current (latest) run, from the store.
     run_id: str | None
@@ -80,6 +83,8 @@ class LineageStatus(BaseModel):
     done: int
     run_outcomes: dict[str, int]
     run_spent_usd: Decimal | None
+    # The current run's generations marked "model unavailable", whatever their outcome.
+    run_model_unavailable: int = 0
     budget_usd: Decimal | None
     stopped: str | None
     # From the broker.
@@ -175,6 +180,7 @@ class Fleet:
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
         in_flight = self._ask("broker", outages, lambda: leases.in_flight(planner.client, lineage))
+        mine = [e for e in index if run and e.run_id == run.run_id]
         row = LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -183,6 +189,7 @@ class Fleet:
             if found is not None
             else None,
             last_outcome=index[-1].outcome if index else None,
+            last_model_unavailable=bool(index) and index[-1].model_unavailable,
             # Only fleet lineages are observed; an imported one owes no observations.
             observation_backlog=(max(0, generation - len(index)) if queue else 0)
             if found is not None
@@ -190,7 +197,8 @@ class Fleet:
             run_id=run.run_id if run else None,
             target=run.target_generation if run else None,
             done=progress.done if progress else 0,
-            run_outcomes=dict(Counter(e.outcome for e in index if run and e.run_id == run.run_id)),
+            run_outcomes=dict(Counter(e.outcome for e in mine)),
+            run_model_unavailable=sum(e.model_unavailable for e in mine),
             run_spent_usd=progress.spent_usd if progress else None,
             budget_usd=run.budget_usd if run else None,
             stopped=progress.stopped if progress else None,

@@ -45,6 +45,8 @@ class CommitView(BaseModel):
     generation: int | None
     exit_status: int | None
     summary: str | None
+    # The subject's "model unavailable" mark (never set in lineages older than it).
+    model_unavailable: bool = False
 
 
 class GenerationRow(BaseModel):
@@ -59,6 +61,13 @@ class GenerationRow(BaseModel):
         """The observed outcome (e.g. ``cgroup_oom``), else what the subject says."""
         return self.figures.outcome if self.figures else self.commit.kind
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def model_unavailable(self) -> bool:
+        """Whether no model call of the generation was answered (the record, else the
+        subject): a mark beside its outcome, shown wherever the outcome is."""
+        return self.figures.model_unavailable if self.figures else self.commit.model_unavailable
+
 
 class LineageSummary(BaseModel):
     """One lineage as the overview and the family view list it."""
@@ -71,6 +80,8 @@ class LineageSummary(BaseModel):
     instrument_fingerprint: str | None
     generations: int
     outcomes: dict[str, int]
+    # Generations marked "model unavailable", whatever their outcome.
+    model_unavailable: int = 0
     out_of_loop: int
     last_generation_at: datetime | None
     spent_usd: Decimal | None

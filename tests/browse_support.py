@@ -38,6 +38,7 @@ from worker.instrument.records import (
     LineageIndex,
     ModelAttempt,
     ModelCall,
+    ModelFailure,
     Observation,
     Provenance,
 )
@@ -136,6 +137,47 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
             observation.model_dump_json(by_alias=True).encode(),
         )
     index = LineageIndex(lineage=name, generations=[IndexEntry.of(o) for o in observations])
+    store.put(index_key(name), index.model_dump_json().encode())
+
+
+def write_unavailable_lineage(settings: Settings, name: str = "down") -> None:
+    """A fleet lineage whose one generation is a no-change the model never answered: its
+    two calls refused by the provider, the subject and the journal marked."""
+    cache, store = lineage_cache(settings), observation_store(settings)
+    seed = b";; seed\n"
+    instrument = Instrument(
+        fingerprint="e" * 64, version="0.1.0", scripts={}, seed=seed, sources={}
+    )
+    create_lineage(
+        name=name,
+        seed=seed,
+        physics=Physics(),
+        instrument=instrument,
+        commit="a" * 40,
+        repository="tests",
+        ref="tests",
+        repo_url=settings.lineage_repo_url,
+        cache=cache,
+        store=store,
+    )
+    parent = cache.fetch(name)
+    assert parent is not None
+    when = datetime(2026, 3, 1, tzinfo=UTC)
+    mark = journal.unavailable_mark(2)
+    log = journal.append(b"", journal.entry_no_change(1, when, mark))
+    tree = dict(cache.tree(parent), **{JOURNAL_PATH: Entry("100644", cache.hash_bytes(log))})
+    commit = cache.commit(parent, tree, journal.subject_no_change(1, mark))
+    assert cache.push_cas(name, commit, parent)
+    failure = ModelFailure(
+        kind="refused",
+        reason="openai answered HTTP 401 (invalid_api_key)",
+        failed_calls=2,
+        answered_calls=0,
+    )
+    observation = sample_observation(name, 1, parent, commit, "no-change", when, "")
+    observation = observation.model_copy(update={"model_failure": failure})
+    store.put_once(generation_key(name, 1), observation.model_dump_json(by_alias=True).encode())
+    index = LineageIndex(lineage=name, generations=[IndexEntry.of(observation)])
     store.put(index_key(name), index.model_dump_json().encode())
 
 

@@ -295,3 +295,34 @@ def test_the_canonical_seed_keeps_its_body_when_the_peer_cuts_the_answer(
     [call] = observation["model_calls"]
     assert (call["stop_reason"], call["usage_reported"]) == ("max_tokens", False)
     assert KEY not in json.dumps(observation)
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_wrong_key_marks_the_generation_model_unavailable_with_a_refusal(
+    litellm_url: str, tmp_path: Path
+) -> None:
+    fleet = Fleet(
+        tmp_path,
+        OUROBOROS_MODEL_PROVIDER="openai-compatible",
+        OUROBOROS_MODEL_NAME="chat-mock",
+        OUROBOROS_OPENAI_COMPATIBLE_BASE_URL=f"{litellm_url}/v1",
+        OUROBOROS_MODEL_INPUT_USD_PER_MTOK="0",
+        OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK="0",
+        OPENAI_COMPATIBLE_API_KEY="sk-wrong-key-0123456789",
+    )
+    fleet.ok("init", "peer", *SMALL_PHYSICS)
+
+    fleet.ok("run", "peer", "--generations", "1", "--local")
+
+    assert fleet.subjects("peer")[0] == "gen 1: no-change (model unavailable: 1 call failed)"
+    failure = fleet.observation("peer", 1)["model_failure"]
+    assert (failure["kind"], failure["failed_calls"], failure["answered_calls"]) == (
+        "refused",
+        1,
+        0,
+    )
+    # A proxy without a key database answers a key it does not know 400 (no_db_connection).
+    assert failure["reason"].startswith("openai-compatible answered HTTP 4")
+    assert "sk-wrong" not in failure["reason"]

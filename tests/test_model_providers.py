@@ -10,18 +10,12 @@ server nobody here wrote.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
-import struct
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from decimal import Decimal
-from email.message import Message
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +36,7 @@ from openai.types.responses import (
 )
 from openai.types.responses.response import IncompleteDetails
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+from vendor_standin import Received, StandIn, running_stand_in
 
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
@@ -78,84 +73,10 @@ def no_ambient_keys(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(variable, raising=False)
 
 
-@dataclass
-class Received:
-    path: str
-    headers: Message
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-@dataclass
-class StandIn:
-    """A vendor API on 127.0.0.1: records each request, answers as told."""
-
-    url: str = ""
-    status: int = 200
-    reply: object = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
-    delay_seconds: float = 0.0
-    location: str | None = None
-    # Reset the connection (RST) once the request is read, answering nothing.
-    reset: bool = False
-    received: list[Received] = field(default_factory=list)
-
-    def only_request(self) -> Received:
-        assert len(self.received) == 1
-        return self.received[0]
-
-
 @pytest.fixture
 def stand_in() -> Iterator[StandIn]:
-    state = StandIn()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            state.received.append(Received(self.path, self.headers, body))
-            if state.reset:
-                linger = struct.pack("ii", 1, 0)
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-                self.connection.close()
-                self.close_connection = True
-                return
-            time.sleep(state.delay_seconds)
-            if state.location is not None:
-                self.send_response(302)
-                self.send_header("Location", state.location)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            raw = (
-                state.reply if isinstance(state.reply, bytes) else json.dumps(state.reply).encode()
-            )
-            try:
-                self.send_response(state.status)
-                for name, value in state.headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-            except OSError:
-                pass  # the client gave up first, as the timeout test intends
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    try:
+    with running_stand_in() as state:
         yield state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def settings(**values: Any) -> Settings:
@@ -605,10 +526,12 @@ def test_a_redirect_is_never_followed_with_the_key(
     stand_in.location = f"{stand_in.url}/elsewhere"
     provider = make_provider("openai-compatible", "m", compatible_settings(stand_in))
 
-    with pytest.raises(ProviderUnavailable, match="302"):
+    with pytest.raises(ProviderUnavailable, match="302") as failure:
         provider.generate("p", 5, 5, CONTEXT)
 
     assert [r.path for r in stand_in.received] == ["/v1/chat/completions"]
+    # The base URL is not the API's: waiting will not fix it.
+    assert failure.value.refused
 
 
 def test_openai_compatible_needs_base_url_model_and_explicit_prices(stand_in: StandIn) -> None:
@@ -709,6 +632,8 @@ def test_vendor_http_errors_say_whether_the_request_may_succeed_later(
         provider.generate("p", 10, 5, CONTEXT)
 
     assert (failure.value.status, failure.value.retryable) == (status, retryable)
+    # A 4xx the vendor does not call passing is a refusal: waiting will not fix it.
+    assert failure.value.refused == (not retryable)
     assert failure.value.may_have_billed is False
     assert failure.value.retry_after is None
 
@@ -939,9 +864,10 @@ def test_key_removed_after_start_fails_the_call_naming_only_the_variable(
     provider = make_provider("anthropic", None, settings(anthropic_base_url=stand_in.url))
     monkeypatch.delenv("ANTHROPIC_API_KEY")
 
-    with pytest.raises(ProviderUnavailable, match="ANTHROPIC_API_KEY is not set"):
+    with pytest.raises(ProviderUnavailable, match="ANTHROPIC_API_KEY is not set") as failure:
         provider.generate("p", 1, 5, CONTEXT)
     assert stand_in.received == []
+    assert failure.value.refused  # until the key is back, every call fails alike
 
 
 def test_key_reaches_neither_log_nor_audit_record_nor_organism(

@@ -53,6 +53,14 @@ def _json(model: Any, value: object) -> None:
     click.echo(TypeAdapter(model).dump_json(value, indent=2, by_alias=True).decode())
 
 
+def _outcome(row: GenerationRow) -> Text:
+    """A row's outcome, and the "model unavailable" mark beside it when it carries one."""
+    text = Text(row.outcome, style=_outcome_style(row.outcome))
+    if row.model_unavailable:
+        text.append(" model unavailable", style="bold yellow")
+    return text
+
+
 def _outcome_style(outcome: str) -> str:
     if is_death(outcome):
         return "bold red"
@@ -170,7 +178,7 @@ def observations_command(name: str, generation: str | None, as_json: bool) -> No
         )
         table.add_row(
             str(row.commit.generation),
-            Text(row.outcome, style=_outcome_style(row.outcome)),
+            _outcome(row),
             *figures,
             row.commit.sha[:12],
         )
@@ -185,12 +193,21 @@ def _print_generation(view: GenerationView) -> None:
     facts.add_column(style="dim")
     facts.add_column()
     facts.add_row("generation", f"{row.commit.generation} of {view.lineage}")
-    facts.add_row("outcome", Text(row.outcome, style=_outcome_style(row.outcome)))
+    facts.add_row("outcome", _outcome(row))
     facts.add_row("commit", f"{row.commit.sha} (parent {view.parent or '—'})")
     facts.add_row("subject", _plain(row.commit.subject))
     if o is not None:
         for label, value in _observation_facts(o):
             facts.add_row(label, _plain(value))
+        if o.model_failure is not None:
+            failure = o.model_failure
+            facts.add_row(
+                "provider failure",
+                _plain(
+                    f"{failure.kind}: {failure.failed_calls} calls failed, "
+                    f"{failure.answered_calls} answered; {failure.reason}"
+                ),
+            )
     else:
         facts.add_row("observation", "none recorded (imported lineage, or still pending)")
     console.print(facts)

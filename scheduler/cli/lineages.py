@@ -79,6 +79,12 @@ PHYSICS_OPTIONS = [
     click.option(
         "--model-timeout", "model_timeout_seconds", type=int, help="Model timeout s [600]."
     ),
+    click.option(
+        "--model-margin",
+        "model_margin_seconds",
+        type=int,
+        help="Seconds a model call leaves before the wall [10].",
+    ),
     click.option("--budget-usd", type=USD, help="Spending budget per generation [1.00]."),
 ]
 

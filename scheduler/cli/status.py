@@ -96,7 +96,12 @@ def _table(rows: list[LineageStatus]) -> Table:
             *lineage,
             *run,
             _known(("yes" if row.in_flight else "no"), broker),
-            (row.last_outcome or "-") if store else UNKNOWN,
+            (
+                (row.last_outcome or "-")
+                + (" (model unavailable)" if row.last_model_unavailable else "")
+            )
+            if store
+            else UNKNOWN,
             _known(row.observation_backlog, store),
             _state(row, short=False),
             row.genealogy.line,

@@ -5,7 +5,9 @@ Owns the metric names, their help and labels, and gathering them when scraped
 the tally of observations already read). Every source is read-only:
 
 - the reader (shared repository, observation store): per-lineage summaries and
-  index figures: generations by outcome, deaths, spend, the run's budget and
+  index figures: generations by outcome, those marked "model unavailable" (every
+  model call failed at the provider; a counter beside the outcome, which the mark
+  does not change), deaths, spend, the run's budget and
   progress, observation backlog, model calls, and the wall, CPU and peak-memory
   histograms, exact at every scrape;
 - observation objects, each read once (they are write-once) into a running tally:
@@ -190,6 +192,11 @@ class FleetCollector(Collector):
         deaths = _per_lineage(
             CounterMetricFamily, "ouroboros_lineage_deaths", "Observed deaths of a lineage."
         )
+        unavailable = _per_lineage(
+            CounterMetricFamily,
+            "ouroboros_lineage_model_unavailable_generations",
+            "Observed generations of a lineage whose every model call failed at the provider.",
+        )
         spent = _per_lineage(
             CounterMetricFamily,
             "ouroboros_lineage_spent_usd",
@@ -225,6 +232,7 @@ class FleetCollector(Collector):
         )
         fleet = Counter[str]()
         fleet_deaths = fleet_spent = fleet_budget = 0.0
+        fleet_unavailable = 0
         for lineage in lineages:
             entries = indexed[lineage.name]
             outcomes = Counter(e.outcome for e in entries)
@@ -233,6 +241,9 @@ class FleetCollector(Collector):
             fleet.update(outcomes)
             died = sum(outcomes[o] for o in DEATHS)
             deaths.add_metric([lineage.name], died)
+            marked = sum(e.model_unavailable for e in entries)
+            unavailable.add_metric([lineage.name], marked)
+            fleet_unavailable += marked
             money = float(sum((e.spent_usd for e in entries), Decimal(0)))
             spent.add_metric([lineage.name], money)
             calls.add_metric([lineage.name], sum(e.model_calls for e in entries))
@@ -248,7 +259,18 @@ class FleetCollector(Collector):
                 run_left.add_metric([lineage.name], left)
                 if progress.stopped is None:
                     fleet_budget += float(progress.remaining_usd)
-        yield from (by_outcome, deaths, spent, calls, budget, run_spent, run_left, backlog, head)
+        yield from (
+            by_outcome,
+            deaths,
+            unavailable,
+            spent,
+            calls,
+            budget,
+            run_spent,
+            run_left,
+            backlog,
+            head,
+        )
         total = CounterMetricFamily(
             "ouroboros_generations",
             "Observed generations of every lineage, by outcome.",
@@ -259,6 +281,11 @@ class FleetCollector(Collector):
         yield total
         yield CounterMetricFamily(
             "ouroboros_deaths", "Observed deaths of every lineage.", value=fleet_deaths
+        )
+        yield CounterMetricFamily(
+            "ouroboros_model_unavailable_generations",
+            "Observed generations of every lineage whose every model call failed at the provider.",
+            value=fleet_unavailable,
         )
         yield CounterMetricFamily(
             "ouroboros_spent_usd", "Dollars spent on model calls, every lineage.", value=fleet_spent

@@ -3,7 +3,8 @@
 Owns ``GenerationJob`` (validated at every boundary: a hostile or malformed message
 is rejected, never run) and ``GenerationReport`` (what the caller learns; the
 commit and the observation, not this report, are the records). Both sides import
-it: the scheduler and planner to send jobs, the pipeline to run them. Imports
+it: the scheduler and planner to send jobs, the pipeline to run them. ``ModelFailure``
+is the observation's own record (``records``), re-exported here for the fleet. Imports
 nothing of the sandbox, the model socket or Celery.
 """
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
 from worker.instrument.names import COMMIT_PATTERN, LINEAGE_NAME_PATTERN
-from worker.instrument.records import Outcome
+from worker.instrument.records import ModelFailure, Outcome
 
 
 class GenerationJob(BaseModel):
@@ -48,3 +49,6 @@ class GenerationReport(BaseModel):
     spent_usd: Decimal
     run_budget_exhausted: bool
     observation_stored: bool
+    # Set when a call of the generation failed at the provider; the fleet stops
+    # (refused) or pauses (unavailable) the run and sends no follow-up for it.
+    model_failure: ModelFailure | None = None

@@ -3,7 +3,10 @@
 Owns the exact text the kernel writes into a lineage: the commit subject of each
 generation and the journal entry appended to ``journal.md``. The wording is the
 single-host original's (see the seed test) and readers parse it, so it changes only
-with a new schema. A death entry carries ``exit R`` and the last five stderr lines
+with a new schema. A generation whose model calls all failed at the provider keeps its
+own outcome's words and carries a fixed mark after them (``unavailable_mark``): in its
+subject (``gen 7: no-change (model unavailable: 3 calls failed)``) and in its journal
+heading. A death entry carries ``exit R`` and the last five stderr lines
 between ``~~~`` fences, nothing more: the full stderr goes to the observation.
 
 Those lines are the organism's, so they are made inert (neither the kernel's readers
@@ -31,6 +34,8 @@ JOURNAL_STDERR_LINES = 5
 JOURNAL_LINE_CHARS = 500
 # Matches the subject of a death commit, in this wording and the original's.
 DEATH_SUBJECT = r"^gen [0-9]+: died "
+# Matches the "model unavailable" mark at the end of a subject or a heading's words.
+UNAVAILABLE_MARK = r" \(model unavailable: [0-9]+ calls? failed\)$"
 # What a terminal acts on or hides rather than shows (see the module docstring).
 _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 # A line CommonMark could read as the end of a ``~~~`` fence: up to three spaces, ``~~~``.
@@ -45,36 +50,42 @@ def changed_summary(organism_delta: tuple[int, int] | None, paths: int) -> str:
     return f"organism +{added}/-{deleted}; {paths} paths"
 
 
-def subject_no_change(generation: int) -> str:
-    return f"gen {generation}: no-change"
+def unavailable_mark(failed_calls: int) -> str:
+    """The mark of a generation whose every model call failed at the provider."""
+    calls = "call" if failed_calls == 1 else "calls"
+    return f" (model unavailable: {failed_calls} {calls} failed)"
 
 
-def subject_changed(generation: int, summary: str) -> str:
-    return f"gen {generation}: changed ({summary})"
+def subject_no_change(generation: int, mark: str = "") -> str:
+    return f"gen {generation}: no-change{mark}"
 
 
-def subject_died(generation: int, exit_code: int) -> str:
-    return f"gen {generation}: died (exit {exit_code}); staged writes discarded"
+def subject_changed(generation: int, summary: str, mark: str = "") -> str:
+    return f"gen {generation}: changed ({summary}){mark}"
+
+
+def subject_died(generation: int, exit_code: int, mark: str = "") -> str:
+    return f"gen {generation}: died (exit {exit_code}); staged writes discarded{mark}"
 
 
 def _heading(generation: int, words: str, when: datetime) -> str:
     return f"## gen {generation} — {words} — {when.isoformat(timespec='seconds')}\n"
 
 
-def entry_no_change(generation: int, when: datetime) -> str:
-    return _heading(generation, "no-change", when)
+def entry_no_change(generation: int, when: datetime, mark: str = "") -> str:
+    return _heading(generation, f"no-change{mark}", when)
 
 
-def entry_changed(generation: int, summary: str, when: datetime) -> str:
-    return _heading(generation, f"changed — {summary}", when)
+def entry_changed(generation: int, summary: str, when: datetime, mark: str = "") -> str:
+    return _heading(generation, f"changed — {summary}{mark}", when)
 
 
-def entry_died(generation: int, exit_code: int, stderr: str, when: datetime) -> str:
+def entry_died(generation: int, exit_code: int, stderr: str, when: datetime, mark: str = "") -> str:
     text = stderr.rstrip()
     # Lines end at a newline only: a CR or another break inside a line is shown, escaped.
     tail = text.split("\n")[-JOURNAL_STDERR_LINES:] if text else []
     fenced = "".join(f"{_inert(_legible(_shortened(line)))}\n" for line in tail)
-    return _heading(generation, "died", when) + f"exit {exit_code}\n~~~\n{fenced}~~~\n"
+    return _heading(generation, f"died{mark}", when) + f"exit {exit_code}\n~~~\n{fenced}~~~\n"
 
 
 def _shortened(line: str) -> str:

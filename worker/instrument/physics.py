@@ -16,6 +16,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+# The time a model call leaves the organism before its wall: enough for a life at the
+# default CPU quota (20% of a core) to hear a 502, write what it chooses and exit, and
+# for the stage to pack /work, yet under 2% of the default 600 s wall.
+MODEL_MARGIN_SECONDS = 10
 
 
 def parse_size(value: object) -> int:
@@ -54,7 +58,32 @@ class Physics(BaseModel):
     max_prompt_bytes: int = Field(196_608, ge=1, le=64 * 1024**2)
     max_output_tokens: int = Field(12_000, ge=1, le=10_000_000)
     model_timeout_seconds: int = Field(600, ge=1, le=24 * 3600)
+    # A model call's deadline is at most the end of the wall less this margin. When
+    # not given (every lineage pinned before it existed included) it is
+    # MODEL_MARGIN_SECONDS, or half the wall if that is shorter.
+    model_margin_seconds: int = Field(MODEL_MARGIN_SECONDS, ge=0, le=24 * 3600)
     budget_usd: Decimal = Field(Decimal("1.00"), ge=0, le=1_000_000, decimal_places=6)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _margin_fits_a_short_wall(cls, data: object) -> object:
+        # A lineage pinned with a wall under twice the default margin before the margin
+        # existed must still read back (and live): its margin is then half its wall.
+        if isinstance(data, dict) and "model_margin_seconds" not in data:
+            wall = data.get("wall_seconds", cls.model_fields["wall_seconds"].default)
+            if isinstance(wall, int) and not isinstance(wall, bool) and wall >= 0:
+                return {**data, "model_margin_seconds": min(MODEL_MARGIN_SECONDS, wall // 2)}
+        return data
+
+    @model_validator(mode="after")
+    def _margin_under_wall(self) -> Physics:
+        if self.model_margin_seconds >= self.wall_seconds:
+            raise ValueError(
+                f"model_margin_seconds={self.model_margin_seconds} leaves a model call no "
+                f"time in wall_seconds={self.wall_seconds}; lower --model-margin or raise "
+                "--wall"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cpu_at_least_one_percent_of_wall(self) -> Physics:

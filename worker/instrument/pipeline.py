@@ -48,6 +48,7 @@ from worker.instrument.names import JOURNAL_PATH, KERNEL_OWNED, ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import (
     ModelCall,
+    ModelFailure,
     Observation,
     Outcome,
     Provenance,
@@ -96,6 +97,7 @@ class Life(NamedTuple):
     spent_usd: Decimal
     started: datetime
     finished: datetime
+    model_failure: ModelFailure | None
 
 
 class Verdict(NamedTuple):
@@ -183,6 +185,7 @@ class Pipeline:
             spent_usd=life.spent_usd,
             run_budget_exhausted=observation.run_budget_exhausted,
             observation_stored=stored,
+            model_failure=life.model_failure,
         )
 
     def _plan(self, job: GenerationJob) -> Plan:
@@ -245,25 +248,39 @@ class Pipeline:
                 model.spent_usd,
                 started,
                 datetime.now(UTC),
+                model.model_failure,
             )
 
     def _commit(self, plan: Plan, life: Life, verdict: Verdict) -> str:
-        """The generation's commit: the verdict's tree plus its journal entry, in fixed words."""
+        """The generation's commit: the verdict's tree plus its journal entry, in fixed words.
+
+        "Model unavailable" is a mark beside the outcome, not an outcome of its own: the
+        outcome is what the organism did with the life it had (it may still have changed
+        itself, or died, without a model), the mark says the model never answered it.
+        Both are true at once, the contract's outcomes and every reader of them stay as
+        they are, and a reader that knows no mark still reads a sound subject.
+        """
         generation, finished, tree = plan.generation, life.finished, plan.tree
+        failure = life.model_failure
+        mark = (
+            journal.unavailable_mark(failure.failed_calls)
+            if failure is not None and failure.model_unavailable
+            else ""
+        )
         if verdict.outcome == "changed":
-            subject = journal.subject_changed(generation, verdict.summary)
-            entry = journal.entry_changed(generation, verdict.summary, finished)
+            subject = journal.subject_changed(generation, verdict.summary, mark)
+            entry = journal.entry_changed(generation, verdict.summary, finished, mark)
         elif verdict.outcome == "no-change":
-            subject = journal.subject_no_change(generation)
-            entry = journal.entry_no_change(generation, finished)
+            subject = journal.subject_no_change(generation, mark)
+            entry = journal.entry_no_change(generation, finished, mark)
         else:
             exit_code = _shell_status(life.result)
-            subject = journal.subject_died(generation, exit_code)
+            subject = journal.subject_died(generation, exit_code, mark)
             # The journal wants the last lines the organism wrote, which a cut record lacks.
             _, truncated = cap_stderr(life.result.stderr)
             last = life.result.stderr_tail if truncated else life.result.stderr
             entry = journal.entry_died(
-                generation, exit_code, last.decode("utf-8", errors="replace"), finished
+                generation, exit_code, last.decode("utf-8", errors="replace"), finished, mark
             )
         journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
         before = plan.blobs.get(journal_sha, b"") if journal_sha else b""
@@ -321,6 +338,7 @@ class Pipeline:
             stderr=stderr_text,
             stderr_truncated=truncated,
             run_id=job.run_id,
+            model_failure=life.model_failure,
             provenance=Provenance(
                 worker_host=self.host,
                 fleet_version=self.instrument.version,

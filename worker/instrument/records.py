@@ -39,6 +39,11 @@ STOP_REASONS: tuple[StopReason, ...] = ("complete", "max_tokens", "refused", "in
 # model thread, before the call's deadline); abandoned (sent, and the deadline or the
 # end of the life came first).
 AttemptOutcome = Literal["answered", "failed", "no_slot", "abandoned"]
+# What a generation's provider failure was, for the fleet: refused (the provider said no
+# in a way waiting will not fix) or unavailable (passing failures that outlasted the
+# retries or the call's deadline).
+ModelFailureKind = Literal["refused", "unavailable"]
+MODEL_FAILURE_REASON_CHARS = 300
 STDERR_CAP_BYTES = 1024 * 1024
 STDERR_CUT_MARK = "\n[... stderr cut at 1 MiB by the kernel ...]\n"
 
@@ -104,6 +109,34 @@ class ModelCall(BaseModel):
     attempts: list[ModelAttempt] = []
 
 
+class ModelFailure(BaseModel):
+    """The provider's failure in a generation, for the fleet to stop or pause the run.
+
+    Present whenever at least one of the generation's calls failed at the provider
+    (never for a 402 budget refusal, nor for the organism's own invalid request, which
+    the socket answers 400 and sends nowhere). The generation is "model unavailable"
+    exactly when no call was answered: ``answered_calls == 0``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # refused: 401, 403, 404, unknown model, a request the provider calls invalid
+    # although the socket found it valid, a key the worker lacks; unavailable: 429,
+    # 5xx, timeouts, connection refused, no room under the cap, exhausting the retries
+    # or the call's deadline.
+    kind: ModelFailureKind
+    # One printable line, never a secret: the socket's own words for the failure, which
+    # name the provider and the kind of failure but never a key or the vendor's prose.
+    reason: str = Field(max_length=MODEL_FAILURE_REASON_CHARS)
+    failed_calls: int = Field(ge=1)
+    answered_calls: int = Field(ge=0)
+
+    @property
+    def model_unavailable(self) -> bool:
+        """No call of the generation was answered: its own mark everywhere."""
+        return self.answered_calls == 0
+
+
 class Provenance(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -159,6 +192,13 @@ class Observation(BaseModel):
     stderr_truncated: bool
     provenance: Provenance
     run_id: str | None = None
+    # None in every observation recorded before provider failures were summarised.
+    model_failure: ModelFailure | None = None
+
+    @property
+    def model_unavailable(self) -> bool:
+        """Whether the generation is marked "model unavailable": no call was answered."""
+        return self.model_failure is not None and self.model_failure.model_unavailable
 
 
 class IndexEntry(BaseModel):
@@ -178,6 +218,7 @@ class IndexEntry(BaseModel):
     spent_usd: Decimal
     run_id: str | None
     run_budget_exhausted: bool = False
+    model_unavailable: bool = False
 
     @classmethod
     def of(cls, observation: Observation) -> IndexEntry:
@@ -194,6 +235,7 @@ class IndexEntry(BaseModel):
             spent_usd=observation.spent_usd,
             run_id=observation.run_id,
             run_budget_exhausted=observation.run_budget_exhausted,
+            model_unavailable=observation.model_unavailable,
         )
 
 

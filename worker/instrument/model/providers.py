@@ -100,6 +100,12 @@ class ProviderUnavailable(Exception):
     retryable says whether the same request may succeed later (a rate limit, an
     overload, a server error, a lost connection, a stall); retry_after is the wait in
     seconds the vendor asked for, if any; status is the vendor's HTTP status, if any.
+
+    refused says whether the provider said no in a way waiting will not fix: a 4xx
+    it does not call passing (401, 403, 404, an unknown model, a request it calls
+    invalid), a redirect (the base URL is not the API's) or a key the worker cannot
+    read. Every other failure is a passing one, or one the vendor's own fault may
+    explain (a reply cut short or malformed).
     """
 
     def __init__(
@@ -110,12 +116,14 @@ class ProviderUnavailable(Exception):
         retryable: bool = False,
         retry_after: float | None = None,
         status: int | None = None,
+        refused: bool = False,
     ) -> None:
         super().__init__(reason)
         self.may_have_billed = may_have_billed
         self.retryable = retryable
         self.retry_after = retry_after
         self.status = status
+        self.refused = refused or (not retryable and status is not None and 300 <= status < 500)
 
 
 class Provider(ABC):
@@ -174,7 +182,7 @@ class _HTTPProvider(Provider):
         try:
             key = self.read_key()
         except Refusal as exc:
-            raise ProviderUnavailable(str(exc)) from None
+            raise ProviderUnavailable(str(exc), refused=True) from None
         return {} if key is None else self.auth_headers(key)
 
 

@@ -13,14 +13,20 @@ generation's ledger, and at the end closes every connection and removes the sock
 
 A call is tried again, as ``retry.RetryPolicy`` allows, after a failure the vendor
 calls passing, until the call's deadline: model_timeout_seconds from its arrival or
-the end of the life's wall time, whichever comes first. Waiting for the cap and
-between attempts counts against that deadline. An attempt that failed is charged
-nothing, unless the vendor may have served it (its answer was lost after the whole
-request was sent): then it keeps its reservation, as any lost answer does, and the
-next attempt must first reserve its own worst case within the budget. So no charge
-ever exceeds the reservation it settles, and the budget stays a hard ceiling. Each
-attempt and each wait before another is also logged, in the instrument's own words,
-on the ``waits`` logger, so that whoever watches a life knows what it waits for.
+the end of the life's wall time less model_margin_seconds, whichever comes first, so
+that a hung vendor leaves the organism time to hear its 502 and act on it before
+its wall. Waiting for the cap and between attempts counts against that deadline.
+An attempt that failed is charged nothing, unless the vendor may have served it (its
+answer was lost after the whole request was sent): then it keeps its reservation, as
+any lost answer does, and the next attempt must first reserve its own worst case
+within the budget. So no charge ever exceeds the reservation it settles, and the
+budget stays a hard ceiling. Each attempt and each wait before another is also
+logged, in the instrument's own words, on the ``waits`` logger, so that whoever
+watches a life knows what it waits for.
+
+The socket also sums up the generation's failures at the provider
+(``ModelSocket.model_failure``): how many calls failed there, how many it answered,
+and whether any failure was a refusal that waiting will not fix.
 
 The client is the organism, which may be hostile, so what one generation's socket can
 hold is bounded, whatever the client does:
@@ -85,7 +91,13 @@ from worker.instrument.model.throttle import (
     no_room,
 )
 from worker.instrument.physics import Physics
-from worker.instrument.records import AttemptOutcome, ModelAttempt, ModelCall
+from worker.instrument.records import (
+    MODEL_FAILURE_REASON_CHARS,
+    AttemptOutcome,
+    ModelAttempt,
+    ModelCall,
+    ModelFailure,
+)
 
 logger = logging.getLogger(__name__)
 # What a life waits for, worded by the instrument alone (never a vendor's or an
@@ -162,7 +174,8 @@ def capabilities(physics: Physics) -> dict[str, Any]:
                     "429": "call limit of the generation reached; nothing was sent",
                     "502": (
                         "model unavailable: every attempt failed, or no answer within "
-                        "model_timeout_seconds"
+                        "model_timeout_seconds or before model_margin_seconds from the "
+                        "end of wall_seconds"
                     ),
                 },
                 "response_headers": {
@@ -187,8 +200,9 @@ def capabilities(physics: Physics) -> dict[str, Any]:
                     "a call the model could not answer for a passing reason (rate limit, "
                     "overload, server error, lost connection, stall) is tried again after "
                     "a backoff, as long as model_timeout_seconds and the life's wall time "
-                    "allow; the fleet also caps the calls made to the model at once and per "
-                    "minute, and waiting for that cap counts against the same time"
+                    "less model_margin_seconds allow; the fleet also caps the calls made to "
+                    "the model at once and per minute, and waiting for that cap counts "
+                    "against the same time"
                 ),
                 "limits": {
                     "connections": {
@@ -356,6 +370,8 @@ class ModelSocket:
         self._audited_text = 0
         self.calls_over_limit = 0
         self._in_flight: dict[int, _Call] = {}
+        # Each call that failed at the provider: whether it was refused, and why.
+        self._failures: list[tuple[bool, str]] = []
         self._model_threads = _ModelThreads(
             MAX_CONNECTIONS, f"model-call-{context.lineage}-{context.generation}"
         )
@@ -371,13 +387,36 @@ class ModelSocket:
     def spent_usd(self) -> Decimal:
         return self.ledger.spent_usd
 
+    @property
+    def model_failure(self) -> ModelFailure | None:
+        """The generation's failures at the provider so far; None when there were none.
+
+        Refused when any failed call was refused (waiting will not fix it), and then the
+        reason is the last refusal's; else unavailable, with the last failure's reason.
+        """
+        with self._lock:
+            failures = list(self._failures)
+            answered = sum(call.status == 200 for call in self._calls)
+        if not failures:
+            return None
+        refusals = [reason for refused, reason in failures if refused]
+        return ModelFailure(
+            kind="refused" if refusals else "unavailable",
+            reason=_one_line((refusals or [reason for _, reason in failures])[-1]),
+            failed_calls=len(failures),
+            answered_calls=answered,
+        )
+
     def __enter__(self) -> ModelSocket:
         # A socket left by a killed worker would make bind fail; anything else is kept.
         if self.socket_path.is_socket():
             self.socket_path.unlink()
         listener = _listen(self.socket_path, self.owner)
-        # The life starts about now and is killed at its wall time: no call outlives it.
-        self._wall_end = time.monotonic() + self.physics.wall_seconds
+        # The life starts about now and is killed at its wall time: no call outlives its
+        # margin before it, so the organism hears its 502 with time left to act on it.
+        self._wall_end = (
+            time.monotonic() + self.physics.wall_seconds - self.physics.model_margin_seconds
+        )
         loop = asyncio.new_event_loop()
         task = loop.create_task(self._serve(listener))
         thread = threading.Thread(
@@ -420,6 +459,12 @@ class ModelSocket:
                 self._record(call, current, "abandoned", ABANDONED, billed=billed, cost=cost)
             call.settle(self.ledger, Decimal(0))
             self._audit(call, 502, MODEL_UNAVAILABLE, error=ABANDONED)
+            # A call in flight when the life ended failed at the provider only if an
+            # attempt of it had: one the organism merely left behind was never refused.
+            tried = [a for a in call.attempts if a.outcome in ("failed", "no_slot")]
+            if tried:
+                with self._lock:
+                    self._failures.append((False, tried[-1].error or MODEL_UNAVAILABLE))
 
     async def _serve(self, listener: socket.socket) -> None:
         """Accept until cancelled, then close every connection."""
@@ -542,6 +587,8 @@ class ModelSocket:
             raise
         except ProviderUnavailable as exc:
             self._land(call.index)
+            with self._lock:
+                self._failures.append((exc.refused, str(exc)))
             logger.warning("model call %d failed: %s", call.index, exc)
             call.settle(self.ledger, Decimal(0))
             return self._audit(call, 502, MODEL_UNAVAILABLE, error=str(exc))
@@ -567,18 +614,18 @@ class ModelSocket:
         """The provider's reply, tried as often as the retry policy and the deadline allow.
 
         The deadline is model_timeout_seconds from the call's arrival, or the end of
-        the life's wall time if that is sooner. Each attempt runs on a model thread
-        (waiting for the cap there, then one request whose every read the stall limit
-        bounds) and is abandoned at the deadline. Raises ProviderUnavailable for the
-        last failure; every attempt is recorded on the call, and each one the vendor may
-        have billed is charged its reservation here.
+        the life's wall time less model_margin_seconds if that is sooner. Each attempt
+        runs on a model thread (waiting for the cap there, then one request whose every
+        read the stall limit bounds) and is abandoned at the deadline. Raises
+        ProviderUnavailable for the last failure; every attempt is recorded on the call,
+        and each one the vendor may have billed is charged its reservation here.
         """
         timeout = self.physics.model_timeout_seconds
         deadline = min(call.clock + timeout, self._wall_end)
         late = (
             f"no answer within {timeout} s"
             if deadline < self._wall_end
-            else "no answer before the life's wall time"
+            else "no answer in time to leave the organism its margin before the wall"
         )
         estimate = math.ceil(len(call.prompt) / CAP_BYTES_PER_TOKEN) + tokens
         for number in itertools.count(1):
@@ -641,7 +688,7 @@ class ModelSocket:
                 backoff=wait,
             )
             if wait is None:
-                raise ProviderUnavailable(error)
+                raise ProviderUnavailable(error, refused=failure.refused)
             waits.info(
                 "model call %d: attempt %d failed (%s); attempt %d at %s UTC, in %.0f s",
                 call.index,
@@ -776,6 +823,14 @@ class ModelSocket:
         with self._lock:
             self._calls.append(record)
         return _Answer(status, answer, headers)
+
+
+def _one_line(text: str) -> str:
+    """``text`` as one printable line of at most MODEL_FAILURE_REASON_CHARS characters."""
+    line = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
+    if len(line) <= MODEL_FAILURE_REASON_CHARS:
+        return line
+    return line[: MODEL_FAILURE_REASON_CHARS - 1] + "…"
 
 
 def _json_bytes(text: str) -> int:
