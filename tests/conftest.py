@@ -21,7 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from lineage_support import MACHINE_REDIS, Fleet, MotoServer, Worker
+from support.fleet import MACHINE_REDIS, Fleet, MotoServer, Worker
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store

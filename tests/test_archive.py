@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import boto3
 import pytest
-from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
 from conftest import S3_REGION
-from lineage_support import Fleet
+from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
+from support.fleet import Fleet
 
 from scheduler import archive as archive_format
 from scheduler.verify import check

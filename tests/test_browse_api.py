@@ -8,9 +8,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
-from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
-from lineage_support import MACHINE_REDIS, SMALL_PHYSICS, Fleet, Worker, seed_file
+from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
+from support.fleet import MACHINE_REDIS, SMALL_PHYSICS, Fleet, Worker, seed_file
+from support.legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 
 from worker.fleet.assembly import observation_store
 from worker.fleet.runs import RunRecord

@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from browse_support import PAYLOAD, sample_bundle, write_hostile_lineage
-from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
+from support.browse import PAYLOAD, sample_bundle, write_hostile_lineage
+from support.legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 
 from scheduler.history import journal_entries, journal_entry, parse_subject
 from scheduler.importer import import_bundle

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from browse_support import (
+from support.browse import (
     PAYLOAD,
     PAYLOAD_ESCAPED,
     Served,

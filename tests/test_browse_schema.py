@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browse_support import Served, serve_sample_and_hostile
+from support.browse import Served, serve_sample_and_hostile
 
 from scheduler.web.api import ErrorBody
 

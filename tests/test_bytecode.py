@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lineage_support import copy_instrument
+from support.fleet import copy_instrument
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
 

@@ -36,7 +36,7 @@ from worker.instrument.ceilings.systemd import SystemdCeiling
 from worker.instrument.errors import Refusal
 from worker.instrument.physics import Physics
 
-STANDINS = Path(__file__).parent / "standins"
+STANDINS = Path(__file__).parent / "support" / "standins"
 MINIMAL_ENV = {"PATH": "/usr/bin:/bin"}
 
 

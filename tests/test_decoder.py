@@ -24,7 +24,7 @@ from typing import NamedTuple, TypeVar
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from lineage_support import Fleet
+from support.fleet import Fleet
 from test_pipeline import make_lineage, run_one
 
 from worker.instrument.decoder import (

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lineage_support import BYTECODE_CACHE, copy_instrument
+from support.fleet import BYTECODE_CACHE, copy_instrument
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
 

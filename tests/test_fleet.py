@@ -20,7 +20,7 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from lineage_support import (
+from support.fleet import (
     SMALL_PHYSICS,
     Fleet,
     Switch,
@@ -509,7 +509,7 @@ def test_a_life_longer_than_the_visibility_timeout_is_refused_before_any_run(
 
 
 def test_status_lists_an_imported_legacy_lineage_beside_fleet_lineages(fleet: Fleet) -> None:
-    from browse_support import import_fixture
+    from support.browse import import_fixture
 
     fleet.ok("init", "native", *SMALL_PHYSICS)
     import_fixture(fleet)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import (
+from support.fleet import (
     SMALL_PHYSICS,
     Fleet,
     PrivateRedis,

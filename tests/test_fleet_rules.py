@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import MACHINE_REDIS, PrivateRedis
+from support.fleet import MACHINE_REDIS, PrivateRedis
 
 from scheduler.cli.lineages import until_next_pass
 from worker.fleet import leases

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
-from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
-from lineage_support import Fleet
+from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
+from support.fleet import Fleet
 from test_pipeline import push_hand_commit
 
 from worker.fleet import embedded_redis

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, helper_name, seed_file
+from support.fleet import SMALL_PHYSICS, Fleet, helper_name, seed_file
 
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import (

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, seed_file
+from support.fleet import SMALL_PHYSICS, Fleet, seed_file
 
 from worker.instrument.gitrepo import (
     IDENTITY,

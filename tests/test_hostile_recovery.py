@@ -7,7 +7,7 @@ code on them: ``leases.release_dead_holders``, the main process's watch loop
 (``worker.fleet.tasks._watch_markers``), the planner's ``submit`` and ``reconcile``, and
 the scheduler's ``status``. The planner runs on the real repository and file store of
 ``test_fleet_rules``'s rig. The keys of another Redis type than the fleet writes are
-also planted before a real worker (``lineage_support.Worker``) lives the lineage.
+also planted before a real worker (``support.fleet.Worker``) lives the lineage.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import (
+from support.fleet import (
     SMALL_PHYSICS,
     Fleet,
     PrivateRedis,

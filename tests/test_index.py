@@ -15,7 +15,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from browse_support import sample_observation, write_hostile_lineage
+from support.browse import sample_observation, write_hostile_lineage
 
 from scheduler.reader import Reader
 from worker.fleet.settings import Settings

@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from lineage_support import Fleet
 from markdown_it import MarkdownIt
+from support.fleet import Fleet
 from test_pipeline import make_lineage, run_one
 
 from scheduler.history import journal_entries

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browse_support import Served
-from lineage_support import Fleet, Worker, copy_instrument, free_port, wait_for
+from support.browse import Served
+from support.fleet import Fleet, Worker, copy_instrument, free_port, wait_for
 
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings

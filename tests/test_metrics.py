@@ -15,10 +15,10 @@ from pathlib import Path
 
 import boto3
 import pytest
-from browse_support import PAYLOAD, Served, serve_sample_and_hostile
 from conftest import S3_REGION
-from lineage_support import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from support.browse import PAYLOAD, Served, serve_sample_and_hostile
+from support.fleet import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
-from lineage_support import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
+from support.fleet import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
 
 from worker.fleet.settings import Settings
 from worker.instrument.model.ledger import FRAMING_TOKENS

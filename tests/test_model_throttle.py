@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from lineage_support import MACHINE_REDIS
+from support.fleet import MACHINE_REDIS
 
 from worker.fleet.assembly import model_cap, model_throttle
 from worker.fleet.model_throttle import RedisThrottle

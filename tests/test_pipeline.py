@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, seed_file
+from support.fleet import SMALL_PHYSICS, Fleet, seed_file
 
 from scheduler.reader import open_reader
 from worker.fleet import embedded_redis

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lineage_support import Fleet
+from support.fleet import Fleet
 from test_pipeline import make_lineage, push_hand_commit, run_one
 
 from worker.instrument.gitrepo import PAGE_BYTES, Entry, LineageCache, footprint

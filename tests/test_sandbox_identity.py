@@ -170,7 +170,7 @@ def _runtime(root: Path) -> Path:
             shutil.copytree(source, root / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, root / name)
-    shutil.copy2(Path(__file__).with_name("unprivileged_worker.py"), root)
+    shutil.copy2(Path(__file__).parent / "support" / "unprivileged_worker.py", root)
     for path in (root, *root.rglob("*")):
         path.chmod(0o755 if path.is_dir() else 0o644)
     return root

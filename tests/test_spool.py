@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from lineage_support import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
+from support.fleet import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
 
 from worker.fleet.assembly import build_pipeline
 from worker.fleet.settings import Settings

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lineage_support import SMALL_PHYSICS, Fleet
+from support.fleet import SMALL_PHYSICS, Fleet
 
 from scheduler.status import Fleet as FleetHandle
 from worker.fleet import embedded_redis

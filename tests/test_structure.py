@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from lineage_support import BYTECODE_CACHE
+from support.fleet import BYTECODE_CACHE
 
 from scheduler.cli import COMMANDS, LazyGroup, cli
 

@@ -1,7 +1,7 @@
 """The fleet harness: an isolated fleet home driven as a user drives it, for tests and benches.
 
-One copy serves both the tests (``from lineage_support import ...``) and the
-benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
+One copy serves both the tests (``from support.fleet import ...``) and the
+benchmarks (``bench/common.py`` puts ``tests/`` on ``sys.path``):
 
 * ``Fleet``: a private ``HOME`` and ``OUROBOROS_HOME`` (shared bare repository, file
   observation store, state), ``OUROBOROS_INSTRUMENT_COMMIT`` fixed, the ``scripted``

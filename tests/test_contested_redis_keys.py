@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from lineage_support import PrivateRedis
+from support.fleet import PrivateRedis
 from test_fleet_rules import Rig, _dead_holder
 from test_hostile_recovery import planner_rig
 
