@@ -21,12 +21,11 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from support.fleet import MACHINE_REDIS, Fleet, MotoServer, Worker
+from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, Worker
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
 
-S3_REGION = "us-east-1"
 # The lock every test that wants most of this 2-core machine holds while it runs
 # (the compose fleet; a virtual machine): two of them at once, from one session or
 # two, would each miss their deadlines. The kernel drops it when the holder exits.

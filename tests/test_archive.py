@@ -27,9 +27,8 @@ from typing import NamedTuple
 
 import boto3
 import pytest
-from conftest import S3_REGION
 from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
-from support.fleet import Fleet
+from support.fleet import S3_REGION, Fleet
 
 from scheduler import archive as archive_format
 from scheduler.verify import check

@@ -11,7 +11,6 @@ systemd and a real delegated v2 hierarchy are in tests/test_vm_host.py (a booted
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from support.sandbox import (  # noqa: F401  (fixtures, used by name)
+    label_fixture,
+    leftovers,
+    logged_calls,
+    standins_fixture,
+)
 
 from worker.instrument.ceilings import CeilingError, cgroup1, cgroup2, select_ceiling
 from worker.instrument.ceilings.base import (
@@ -36,55 +41,7 @@ from worker.instrument.ceilings.systemd import SystemdCeiling
 from worker.instrument.errors import Refusal
 from worker.instrument.physics import Physics
 
-STANDINS = Path(__file__).parent / "support" / "standins"
 MINIMAL_ENV = {"PATH": "/usr/bin:/bin"}
-
-
-def leftovers(label: str) -> list[str]:
-    """Scope directories and processes of ``label`` still present on this host."""
-    found = [
-        str(path)
-        for parent in own_cgroup_dirs().values()
-        for path in (parent / SCOPE_PARENT).glob(f"{label}-*")
-    ]
-    for cgroup in Path("/proc").glob("[0-9]*/cgroup"):
-        try:
-            if f"/{SCOPE_PARENT}/{label}-" in cgroup.read_text():
-                found.append(str(cgroup.parent))
-        except OSError:
-            continue  # the process ended while we looked
-    return found
-
-
-@pytest.fixture(name="label")
-def label_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A scope label unique to the test; afterwards, nothing of it may remain."""
-    name = f"t-{request.node.name[:40].replace('[', '-').replace(']', '')}"
-    yield name
-    assert leftovers(name) == []
-
-
-@pytest.fixture(name="standins")
-def standins_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A directory of stand-in systemd executables first on PATH; configure it with files."""
-    directory = tmp_path / "standins"
-    directory.mkdir()
-    for name in ("systemd-run", "systemctl"):
-        shutil.copy(STANDINS / name, directory / name)
-        (directory / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{directory}:/usr/bin:/bin")
-    return directory
-
-
-def logged_calls(path: Path) -> list[list[str]]:
-    """The argv of every call a stand-in recorded, in order."""
-    calls: list[list[str]] = [[]]
-    for line in path.read_text().splitlines():
-        if line == "----":
-            calls.append([])
-        else:
-            calls[-1].append(line)
-    return calls[:-1]
 
 
 # --- cgroup1, for real ----------------------------------------------------------------------

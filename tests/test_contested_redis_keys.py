@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import redis
 from support.fleet import PrivateRedis
-from test_fleet_rules import Rig, _dead_holder
-from test_hostile_recovery import planner_rig
+from support.rig import Rig, dead_holder, planner_rig
 
 from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
@@ -127,7 +126,7 @@ def test_a_contested_holder_record_does_not_stop_the_sweep_of_other_lineages(
 ) -> None:
     # release_dead_holders raised at the contested record: a dead holder's job of any
     # lineage scanned after it stayed held until its marker and lease expired.
-    dead = _dead_holder()
+    dead = dead_holder()
     lineages = [f"swept-{i}" for i in range(20)]
     for lineage in lineages:
         contested.set(leases.inflight_key(lineage), "job1", ex=600)

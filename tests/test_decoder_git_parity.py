@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import pytest
-from test_decoder import LIMITS, body, build, directory, link, regular
+from support.tarballs import LIMITS, body, build, directory, link, regular
 
 from worker.instrument import decoder
 from worker.instrument.decoder import DecoderRejection, decode_archive

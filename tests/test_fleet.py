@@ -10,7 +10,6 @@ observation objects.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -30,44 +29,11 @@ from support.fleet import (
     seed_file,
     wait_for,
 )
+from support.lives import SLOW, WRITES_STATE, assert_linear, background, generations, start
 
 from worker.instrument.fingerprint import PACKAGE_ROOT, package_version
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
-
-SLOW = "(sleep-for {seconds})\n"
-WRITES_STATE = '(with-temp-file "/work/state.el" (insert (format "%S" (random))))\n'
-
-
-def start(fleet: Fleet, workers: list[Worker], name: str, *extra_args: str, **env: str) -> Worker:
-    worker = Worker(fleet, name, *extra_args, **env)
-    workers.append(worker)
-    worker.wait_ready()
-    return worker
-
-
-def background(fleet: Fleet, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """``schedule-lineage ARGS`` in the background, its output in ``log`` (or nowhere)."""
-    with (log or Path(os.devnull)).open("wb") as sink:
-        return subprocess.Popen(
-            [sys.executable, "-m", "scheduler", *args],
-            env=fleet.env,
-            cwd=fleet.home,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def generations(fleet: Fleet, lineage: str) -> list[str]:
-    return [s for s in fleet.subjects(lineage) if s.startswith("gen ")]
-
-
-def assert_linear(fleet: Fleet, lineage: str, count: int) -> None:
-    subjects = generations(fleet, lineage)
-    assert [s.split(":")[0] for s in subjects] == [f"gen {n}" for n in range(count, 0, -1)]
-    assert fleet.git("rev-list", "--merges", f"lineage-{lineage}").strip() == ""
-    assert fleet.observation_numbers(lineage) == list(range(1, count + 1))
 
 
 def test_two_workers_advance_four_lineages_exactly_once(
@@ -189,7 +155,7 @@ def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
 def test_hand_commit_during_a_generation_discards_the_stale_result(
     fleet: Fleet, workers: list[Worker]
 ) -> None:
-    from test_pipeline import push_hand_commit
+    from support.lives import push_hand_commit
 
     seed = seed_file(fleet.home, SLOW.format(seconds=3) + WRITES_STATE)
     fleet.ok("init", "edited", "--seed", str(seed), *SMALL_PHYSICS)

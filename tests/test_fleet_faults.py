@@ -38,7 +38,7 @@ from support.fleet import (
     task_envelope,
     wait_for,
 )
-from test_fleet import SLOW, WRITES_STATE, assert_linear, background, generations, start
+from support.lives import SLOW, WRITES_STATE, assert_linear, background, generations, start
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 

@@ -12,20 +12,18 @@ lineage names of its own and deletes their keys afterwards.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import redis
 from support.fleet import MACHINE_REDIS, PrivateRedis
+from support.rig import HEAD, INSTRUMENT, PHYSICS, WHEN, Rig, Sent, dead_holder, entry, report
 
 from scheduler.cli.lineages import until_next_pass
 from worker.fleet import leases
@@ -33,28 +31,8 @@ from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
 from worker.fleet.runs import RunRecord, hard_time_limit, job_of, queue_of, run_progress
 from worker.fleet.settings import Settings
-from worker.instrument import journal
-from worker.instrument.fingerprint import Instrument
-from worker.instrument.gitrepo import Entry
-from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import index_key
-from worker.instrument.lineage import LineageMetadata, create_lineage
-from worker.instrument.names import ORGANISM_PATH
-from worker.instrument.physics import Physics
-from worker.instrument.records import IndexEntry, LineageIndex
 
 REDIS_URL = f"{MACHINE_REDIS}/0"
-SEED = b';;; rules organism  -*- lexical-binding: t; -*-\n(message "hi")\n'
-INSTRUMENT = Instrument(
-    fingerprint=hashlib.sha256(b"fleet-rules stand-in instrument").hexdigest(),
-    version="0.0.0",
-    scripts={},
-    seed=SEED,
-    sources={},
-)
-PHYSICS = Physics(wall_seconds=60, cpu_seconds=60)
-WHEN = datetime(2026, 3, 1, tzinfo=UTC)
-HEAD = "c" * 40
 
 
 # -- Redis, names and the fake send --------------------------------------------------------
@@ -83,94 +61,6 @@ def unique(client: redis.Redis) -> Iterator[Callable[[str], str]]:
                 client.delete(key)
 
 
-@dataclass
-class Sent:
-    """A ``send`` that records its calls instead of talking to Celery."""
-
-    calls: list[tuple[GenerationJob, str, str, int]] = field(default_factory=list)
-    # Per call: sent to the front of its queue, ahead of the jobs already waiting there.
-    first: list[bool] = field(default_factory=list)
-
-    def __call__(
-        self, job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool
-    ) -> None:
-        self.calls.append((job, job_id, queue, time_limit))
-        self.first.append(first)
-
-    @property
-    def jobs(self) -> list[GenerationJob]:
-        return [job for job, *_ in self.calls]
-
-
-@dataclass
-class Rig:
-    """A planner on a private repository and store, the real Redis and a fake send."""
-
-    planner: Planner
-    sent: Sent
-    client: redis.Redis
-    name: Callable[[str], str]
-
-    def lineage(self, stem: str) -> tuple[str, LineageMetadata]:
-        """A new lineage, made the way ``schedule-lineage init`` makes one."""
-        name = self.name(stem)
-        settings = self.planner.settings
-        meta = create_lineage(
-            name=name,
-            seed=SEED,
-            physics=PHYSICS,
-            instrument=INSTRUMENT,
-            commit="a" * 40,
-            repository="tests",
-            ref="tests",
-            repo_url=settings.lineage_repo_url,
-            cache=self.planner.cache,
-            store=self.planner.store,
-        )
-        return name, meta
-
-    def head(self, lineage: str) -> str:
-        head = self.planner.cache.fetch(lineage)
-        assert head is not None
-        return head
-
-    def land(self, lineage: str, generation: int) -> str:
-        """Push generation ``generation`` (a ``gen N: changed`` commit) onto the lineage."""
-        cache = self.planner.cache
-        parent = self.head(lineage)
-        tree = cache.tree(parent)
-        body = SEED + f";; generation {generation}\n".encode()
-        tree[ORGANISM_PATH] = Entry("100644", cache.hash_bytes(body))
-        subject = journal.subject_changed(generation, journal.changed_summary((1, 0), 1))
-        commit = cache.commit(parent, tree, subject)
-        assert cache.push_cas(lineage, commit, parent)
-        return commit
-
-    def observe(
-        self, lineage: str, generation: int, run_id: str, spent: str, exhausted: bool = False
-    ) -> None:
-        """Add a generation's entry to the lineage index, as publication does."""
-        store = self.planner.store
-        index = LineageIndex.parse(store.get(index_key(lineage)), lineage)
-        index = index.with_entry(entry(generation, run_id, spent, exhausted))
-        store.put(index_key(lineage), index.model_dump_json().encode())
-
-    def run(self, lineage: str, generations: int, budget: str = "1.00") -> RunRecord:
-        return self.planner.start_run(
-            lineage, self.head(lineage), generations, "scripted", None, Decimal(budget)
-        )
-
-    def first_generation(
-        self, stem: str, generations: int, budget: str = "1.00"
-    ) -> tuple[GenerationJob, str]:
-        """A new lineage's run, its first job as enqueued, and the commit that job landed."""
-        name, _ = self.lineage(stem)
-        self.run(name, generations, budget)
-        job = self.planner.enqueue(name)
-        assert job is not None
-        return job, self.land(name, 1)
-
-
 @pytest.fixture
 def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Rig:
     settings = Settings(
@@ -190,23 +80,6 @@ def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Ri
     return Rig(planner=planner, sent=sent, client=client, name=unique)
 
 
-def entry(generation: int, run_id: str | None, spent: str, exhausted: bool = False) -> IndexEntry:
-    return IndexEntry(
-        generation=generation,
-        outcome="changed",
-        parent_commit="b" * 40,
-        lineage_commit=HEAD,
-        finished_at=WHEN,
-        duration_seconds=1.0,
-        cpu_usage_nsec=None,
-        memory_peak_bytes=None,
-        model_calls=1,
-        spent_usd=Decimal(spent),
-        run_id=run_id,
-        run_budget_exhausted=exhausted,
-    )
-
-
 def run_record(**changes: object) -> RunRecord:
     values: dict[str, object] = {
         "run_id": "20260301T000000000000Z-abcdef",
@@ -219,22 +92,6 @@ def run_record(**changes: object) -> RunRecord:
         "budget_usd": Decimal("1.00"),
     }
     return RunRecord.model_validate({**values, **changes})
-
-
-def report(
-    job: GenerationJob, generation: int, commit: str, spent: str, **changes: object
-) -> GenerationReport:
-    values: dict[str, object] = {
-        "lineage": job.lineage,
-        "generation": generation,
-        "outcome": "changed",
-        "parent": job.expected_commit,
-        "commit": commit,
-        "spent_usd": Decimal(spent),
-        "run_budget_exhausted": False,
-        "observation_stored": True,
-    }
-    return GenerationReport.model_validate({**values, **changes})
 
 
 # -- run_progress and job_of: pure rules ----------------------------------------------------
@@ -567,20 +424,11 @@ def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
 # -- leases.release_dead_holders --------------------------------------------------------------
 
 
-def _dead_holder() -> str:
-    """The holder name of a process of this host that has exited."""
-    process = subprocess.Popen(["sleep", "60"])
-    name = leases.holder_name(process.pid)
-    process.kill()
-    process.wait()
-    return name
-
-
 def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
     name = unique("orphaned")
-    dead = _dead_holder()
+    dead = dead_holder()
     # As a pool child killed mid-life leaves them: its marker, its record, its lease.
     client.set(f"{leases.PREFIX}:inflight:{name}", "job-1", ex=600)
     client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {dead}", ex=600)
@@ -615,7 +463,7 @@ def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     assert leases.keep_marker(client, name, "job-1", 600)  # this process fetched it
     assert (name, "job-1") not in leases.release_dead_holders(client)
     assert leases.in_flight(client, name) == "job-1"
-    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {_dead_holder()}", ex=600)
+    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {dead_holder()}", ex=600)
     assert (name, "job-1") in leases.release_dead_holders(client)
     assert leases.in_flight(client, name) is None
 
@@ -624,11 +472,11 @@ def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
     elsewhere, newer = unique("elsewhere"), unique("newer")
-    far = "another-host:" + _dead_holder().split(":", 1)[1]
+    far = "another-host:" + dead_holder().split(":", 1)[1]
     client.set(f"{leases.PREFIX}:inflight:{elsewhere}", "job-1", ex=600)
     client.set(f"{leases.PREFIX}:holder:{elsewhere}", f"job-1 {far}", ex=600)
     # The dead holder's job ended and a live one took the lineage: only the record goes.
-    dead = _dead_holder()
+    dead = dead_holder()
     client.set(f"{leases.PREFIX}:inflight:{newer}", "job-2", ex=600)
     client.set(f"{leases.PREFIX}:holder:{newer}", f"job-1 {dead}", ex=600)
     mine = leases.Lease(client, newer, 600)

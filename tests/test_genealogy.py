@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
 from support.fleet import Fleet
-from test_pipeline import push_hand_commit
+from support.lives import push_hand_commit
 
 from worker.fleet import embedded_redis
 

@@ -34,14 +34,11 @@ from support.fleet import (
     seed_file,
     wait_for,
 )
-from test_fleet import WRITES_STATE, assert_linear, generations, start
-from test_fleet_rules import Rig, Sent, _dead_holder, report
+from support.lives import WRITES_STATE, assert_linear, generations, start
+from support.rig import Rig, dead_holder, planner_rig, report
 
 from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
-from worker.fleet.assembly import lineage_cache, observation_store
-from worker.fleet.planner import Planner
-from worker.fleet.settings import Settings
 from worker.fleet.tasks import _watch_markers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,24 +67,6 @@ def _name(stem: str) -> str:
 @pytest.fixture
 def rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
     return planner_rig(tmp_path, server, client)
-
-
-def planner_rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
-    """A scheduler's planner on ``server`` through ``client``, recording what it sends."""
-    settings = Settings(
-        home=tmp_path / "home",
-        broker_url=server.url,
-        visibility_timeout_seconds=7200,
-        inflight_ttl_seconds=3600,
-    )
-    planner = Planner(
-        settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
-        client=client,
-        send=Sent(),
-    )
-    return Rig(planner=planner, sent=planner.send, client=client, name=_name)  # type: ignore[arg-type]
 
 
 def _orphan(client: redis.Redis, lineage: str, job_id: str, holder: str) -> None:
@@ -152,7 +131,7 @@ def test_a_forged_holder_record_does_not_kill_the_watch_thread(
     client.set(leases.holder_key("forged"), f"job-x {_forged_holder(pid)}", ex=600)
     real = _name("real")
     time.sleep(2.5)
-    _orphan(client, real, "job-1", _dead_holder())
+    _orphan(client, real, "job-1", dead_holder())
     wait_for(lambda: real in sweeper.recovered, 15, "the genuine dead holder's release")
     assert sweeper.thread.is_alive()
 
@@ -165,7 +144,7 @@ def test_a_holder_key_of_another_type_does_not_stop_the_sweep(
     # (or not released at all, depending on the scan's order), silently, for good.
     client.hset(leases.holder_key("forged"), "a", "b")
     real = _name("real")
-    _orphan(client, real, "job-1", _dead_holder())
+    _orphan(client, real, "job-1", dead_holder())
     wait_for(lambda: real in sweeper.recovered, 15, "the genuine dead holder's release")
 
 
@@ -177,7 +156,7 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
     # planner (whose store refuses it with a ValueError that the recovery thread's
     # future swallows, unlogged).
     hostile = "x\n[2026-01-01 00:00:00,000: CRITICAL/MainProcess] forged\x1b[2J"
-    dead = _dead_holder()
+    dead = dead_holder()
     client.set(leases.holder_key(hostile), f"job-1 {dead}", ex=600)
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
         released = leases.release_dead_holders(client)
@@ -233,7 +212,7 @@ def test_the_take_over_of_a_dead_holders_lease_is_safe_to_repeat(client: redis.R
     # script answers 0: acquire() says LeaseBusy to a job that holds the lease, which then
     # stays held, by nobody running, for lease_seconds.
     lineage = _name("retaken")
-    dead = f"{_dead_holder()}/0123"
+    dead = f"{dead_holder()}/0123"
     lease = leases.Lease(client, lineage, 600)
     client.set(lease.key, dead, ex=600)
     assert client.eval(lease._TAKE_OVER, 1, lease.key, dead, lease.token, lease.ttl)
@@ -419,7 +398,7 @@ def test_a_dead_holders_job_is_released_whole_beside_a_marker_or_lease_of_anothe
     # The release script removed the holder record, then failed on the other key: the
     # job was never reported released (nobody re-enqueued it), and its lease stayed.
     lineage = _name("orphan")
-    _orphan(client, lineage, "job-1", _dead_holder())
+    _orphan(client, lineage, "job-1", dead_holder())
     plant(client, key_of(lineage))
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
         assert (lineage, "job-1") in leases.release_dead_holders(client)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 from support.fleet import Fleet
-from test_pipeline import make_lineage, run_one
+from support.lives import make_lineage, run_one
 
 from scheduler.history import journal_entries
 from worker.instrument import journal

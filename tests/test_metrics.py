@@ -15,10 +15,9 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import S3_REGION
 from prometheus_client.parser import text_string_to_metric_families
 from support.browse import PAYLOAD, Served, serve_sample_and_hostile
-from support.fleet import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
+from support.fleet import S3_REGION, SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
 

@@ -22,7 +22,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from test_model_server import CONTEXT, PRICES, DoubleProvider, request
+from support.model import CONTEXT, PRICES, DoubleProvider, request
 
 from worker.instrument.model import server as model_socket
 from worker.instrument.model.providers import GenerationContext, Provider, ProviderReply

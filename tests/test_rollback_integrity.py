@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.fleet import Fleet
-from test_pipeline import make_lineage, push_hand_commit, run_one
+from support.lives import make_lineage, push_hand_commit, run_one
 
 from worker.instrument.gitrepo import PAGE_BYTES, Entry, LineageCache, footprint
 from worker.instrument.journal import DEATH_SUBJECT

@@ -73,6 +73,8 @@ from typing import Any, NamedTuple
 import pytest
 import redis
 from support.fleet import Worker, seed_file, wait_for
+from support.lives import SLOW, WRITES_STATE, background
+from support.sandbox import PRELUDE, WALLS, elisp
 from support.vm_container import CGROUP, ContainerHost
 from support.vm_container import NAME as CONTAINER_NAME
 from support.vm_fleet import LEASE_SECONDS, ControlHost, Landed, join, landed
@@ -85,9 +87,6 @@ from support.vm_guest import (
     fleet_layer,
     install_fleet,
 )
-from test_fleet import SLOW, WRITES_STATE, background
-from test_sandbox import PRELUDE
-from test_sandbox_identity import WALLS, elisp
 
 from scheduler.liveness import ask
 from worker.fleet.app import client_app

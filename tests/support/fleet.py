@@ -458,6 +458,10 @@ class Switch:
                 end.shutdown(socket.SHUT_RDWR)
 
 
+# The region every test bucket on the moto server is made in.
+S3_REGION = "us-east-1"
+
+
 class MotoServer:
     """moto's standalone S3 server on a free 127.0.0.1 port, logging to ``log_path``."""
 
