@@ -26,6 +26,8 @@ from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, Worker
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
 
+# The tiers (--fast) and their enforcement; pytester runs the tiers' own tests.
+pytest_plugins = ["support.tiers", "pytester"]
 # The lock every test that wants most of this 2-core machine holds while it runs
 # (the compose fleet; a virtual machine): two of them at once, from one session or
 # two, would each miss their deadlines. The kernel drops it when the holder exits.

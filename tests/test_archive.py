@@ -38,6 +38,9 @@ from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import IDENTITY, run_git
 from worker.instrument.keys import run_key
 
+# Full tier: its lineages are made and checked with git and the CLI.
+pytestmark = pytest.mark.full
+
 Members = dict[str, bytes]
 
 

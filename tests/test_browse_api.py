@@ -17,6 +17,9 @@ from worker.fleet.runs import RunRecord
 from worker.instrument.keys import run_key
 from worker.instrument.records import DEATHS
 
+# Full tier: it serves the UI with `schedule-lineage serve`.
+pytestmark = pytest.mark.full
+
 CRASH = '(message "about to die")\n(error "boom from the organism")\n'
 
 

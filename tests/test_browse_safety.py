@@ -12,6 +12,9 @@ from support.browse import (
     serve_sample_and_hostile,
 )
 
+# Full tier: its sample lineages are made with git and served by `serve`.
+pytestmark = pytest.mark.full
+
 HOSTILE_PAGES = [
     "/",
     "/lineages/xss",

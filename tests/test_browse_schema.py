@@ -18,6 +18,9 @@ from support.browse import Served, serve_sample_and_hostile
 
 from scheduler.web.api import ErrorBody
 
+# Full tier: it serves the API with `schedule-lineage serve`.
+pytestmark = pytest.mark.full
+
 ST_SECONDS = 400
 
 

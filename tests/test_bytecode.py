@@ -22,6 +22,9 @@ from support.fleet import copy_instrument
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
 
+# Full tier: each check runs an interpreter of its own.
+pytestmark = pytest.mark.full
+
 CACHED = """
 import sys
 import worker.instrument.names as names

@@ -25,6 +25,9 @@ from support.rig import Rig, dead_holder, planner_rig
 from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
 
+# Full tier: a private redis-server.
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:

@@ -152,6 +152,7 @@ def test_normal_tree_round_trips_with_exec_bits_and_nested_dirs(tmp_path: Path) 
     assert_disk_matches(tmp_path / "dest", entries)
 
 
+@pytest.mark.full
 def test_real_gnu_tar_output_decodes_in_every_format(tmp_path: Path) -> None:
     source = tmp_path / "work"
     (source / "sub" / "deep").mkdir(parents=True)
@@ -498,6 +499,7 @@ _TRICKY = st.sampled_from(
         max_size=25,
     )
 )
+@pytest.mark.full
 def test_decoder_refuses_exactly_the_paths_git_would_silently_drop(
     tmp_path_factory: pytest.TempPathFactory, names: list[tuple[str, bool]]
 ) -> None:

@@ -159,6 +159,7 @@ def test_the_job_of_a_run_carries_its_target_and_what_its_budget_has_left() -> N
 # -- Planner.enqueue ------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_enqueue_sends_exactly_one_job_for_a_lineage_whose_run_wants_more(rig: Rig) -> None:
     name, _ = rig.lineage("wants")
     run = rig.run(name, 3, "0.50")
@@ -172,6 +173,7 @@ def test_enqueue_sends_exactly_one_job_for_a_lineage_whose_run_wants_more(rig: R
     assert leases.in_flight(rig.client, name) == job_id
 
 
+@pytest.mark.full
 def test_a_second_enqueue_while_the_in_flight_marker_exists_sends_nothing(rig: Rig) -> None:
     name, _ = rig.lineage("twice")
     rig.run(name, 3)
@@ -181,6 +183,7 @@ def test_a_second_enqueue_while_the_in_flight_marker_exists_sends_nothing(rig: R
     assert len(rig.sent.calls) == 1
 
 
+@pytest.mark.full
 def test_enqueue_sends_the_job_to_the_lineage_instrument_queue_with_its_hard_time_limit(
     rig: Rig,
 ) -> None:
@@ -193,6 +196,7 @@ def test_enqueue_sends_the_job_to_the_lineage_instrument_queue_with_its_hard_tim
     assert job_id.startswith(f"{name}.{rig.head(name)[:12]}.")
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_lineage_without_a_run(rig: Rig) -> None:
     name, _ = rig.lineage("idle")
     assert rig.planner.enqueue(name) is None
@@ -200,6 +204,7 @@ def test_enqueue_sends_nothing_for_a_lineage_without_a_run(rig: Rig) -> None:
     assert leases.in_flight(rig.client, name) is None
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_run_that_reached_its_target(rig: Rig) -> None:
     name, _ = rig.lineage("finished")
     run = rig.run(name, 1)
@@ -209,6 +214,7 @@ def test_enqueue_sends_nothing_for_a_run_that_reached_its_target(rig: Rig) -> No
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_run_that_exhausted_its_budget(rig: Rig) -> None:
     name, _ = rig.lineage("spent")
     run = rig.run(name, 5, "0.20")
@@ -218,6 +224,7 @@ def test_enqueue_sends_nothing_for_a_run_that_exhausted_its_budget(rig: Rig) -> 
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_cancelled_run(rig: Rig) -> None:
     name, _ = rig.lineage("cancelled")
     run = rig.run(name, 3)
@@ -228,6 +235,7 @@ def test_enqueue_sends_nothing_for_a_cancelled_run(rig: Rig) -> None:
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
     name, _ = rig.lineage("blocked")
     rig.run(name, 3)
@@ -236,6 +244,7 @@ def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_a_new_run_replaces_the_active_one_and_enqueue_follows_the_new_run(rig: Rig) -> None:
     name, _ = rig.lineage("replaced")
     first = rig.run(name, 3)
@@ -249,6 +258,7 @@ def test_a_new_run_replaces_the_active_one_and_enqueue_follows_the_new_run(rig: 
 # -- Planner.follow_up ----------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_follow_up_after_a_report_is_the_next_job_when_the_run_wants_more(rig: Rig) -> None:
     job, commit = rig.first_generation("onward", 3, "1.00")
     follow = rig.planner.follow_up(job, report(job, 1, commit, "0.30"))
@@ -264,22 +274,26 @@ def test_follow_up_after_a_report_is_the_next_job_when_the_run_wants_more(rig: R
     assert rig.sent.jobs == [job]  # follow_up plans; it sends nothing itself
 
 
+@pytest.mark.full
 def test_follow_up_is_none_when_the_report_reaches_the_target(rig: Rig) -> None:
     job, commit = rig.first_generation("arrived", 1)
     assert rig.planner.follow_up(job, report(job, 1, commit, "0.10")) is None
 
 
+@pytest.mark.full
 def test_follow_up_is_none_when_the_report_spends_the_rest_of_the_budget(rig: Rig) -> None:
     job, commit = rig.first_generation("broke", 3, "0.25")
     assert rig.planner.follow_up(job, report(job, 1, commit, "0.25")) is None
 
 
+@pytest.mark.full
 def test_follow_up_is_none_when_the_report_says_the_run_budget_is_exhausted(rig: Rig) -> None:
     job, commit = rig.first_generation("refused", 3, "1.00")
     exhausted = report(job, 1, commit, "0.01", run_budget_exhausted=True)
     assert rig.planner.follow_up(job, exhausted) is None
 
 
+@pytest.mark.full
 def test_follow_up_is_none_once_the_run_was_cancelled(rig: Rig) -> None:
     job, commit = rig.first_generation("halted", 3)
     rig.planner.cancel(job.lineage)
@@ -289,6 +303,7 @@ def test_follow_up_is_none_once_the_run_was_cancelled(rig: Rig) -> None:
 # -- Planner.reconcile ----------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_reconcile_re_enqueues_a_lineage_whose_run_wants_more_with_no_marker_nor_lease(
     rig: Rig,
 ) -> None:
@@ -301,6 +316,7 @@ def test_reconcile_re_enqueues_a_lineage_whose_run_wants_more_with_no_marker_nor
     assert leases.in_flight(rig.client, idle) is None
 
 
+@pytest.mark.full
 def test_reconcile_re_enqueues_a_run_whose_message_and_marker_were_lost(rig: Rig) -> None:
     name, _ = rig.lineage("lost")
     rig.run(name, 2)
@@ -311,6 +327,7 @@ def test_reconcile_re_enqueues_a_run_whose_message_and_marker_were_lost(rig: Rig
     assert len(rig.sent.calls) == 2
 
 
+@pytest.mark.full
 def test_what_reconcile_recovers_goes_first_and_a_planned_job_waits_its_turn(rig: Rig) -> None:
     name, _ = rig.lineage("front")
     rig.run(name, 2)
@@ -320,6 +337,7 @@ def test_what_reconcile_recovers_goes_first_and_a_planned_job_waits_its_turn(rig
     assert rig.sent.first == [False, True]
 
 
+@pytest.mark.full
 def test_reconcile_skips_a_lineage_whose_lease_is_held(rig: Rig) -> None:
     name, _ = rig.lineage("leased")
     rig.run(name, 2)
@@ -331,6 +349,7 @@ def test_reconcile_skips_a_lineage_whose_lease_is_held(rig: Rig) -> None:
     assert rig.planner.reconcile() == [name]
 
 
+@pytest.mark.full
 def test_reconcile_skips_a_lineage_with_an_in_flight_marker(rig: Rig) -> None:
     name, _ = rig.lineage("marked")
     rig.run(name, 2)
@@ -343,6 +362,7 @@ def test_reconcile_skips_a_lineage_with_an_in_flight_marker(rig: Rig) -> None:
 # -- leases.holding ---------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_a_second_holder_of_a_held_lease_gets_lease_busy(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -356,6 +376,7 @@ def test_a_second_holder_of_a_held_lease_gets_lease_busy(
     assert not ran
 
 
+@pytest.mark.full
 def test_the_heartbeat_keeps_the_lease_and_running_marker_alive_past_their_ttl(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -368,6 +389,7 @@ def test_the_heartbeat_keeps_the_lease_and_running_marker_alive_past_their_ttl(
         assert 0 < client.ttl(lease.key) <= ttl
 
 
+@pytest.mark.full
 def test_leaving_releases_the_lease_and_the_running_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -380,6 +402,7 @@ def test_leaving_releases_the_lease_and_the_running_marker(
     assert not any(t.name == f"lease-{name}" for t in threading.enumerate())
 
 
+@pytest.mark.full
 def test_leaving_by_an_exception_releases_the_lease_and_the_running_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -392,6 +415,7 @@ def test_leaving_by_an_exception_releases_the_lease_and_the_running_marker(
         assert leases.in_flight(client, name) == "job-2"
 
 
+@pytest.mark.full
 def test_a_release_never_removes_another_holders_lease(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -407,6 +431,7 @@ def test_a_release_never_removes_another_holders_lease(
     assert client.get(theirs.key) == theirs.token.encode()
 
 
+@pytest.mark.full
 def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -424,6 +449,7 @@ def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
 # -- leases.release_dead_holders --------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -439,6 +465,7 @@ def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     assert not client.exists(f"{leases.PREFIX}:holder:{name}")
 
 
+@pytest.mark.full
 def test_a_holder_that_is_a_zombie_is_dead() -> None:
     # A killed worker's pool children are zombies until some init reaps them.
     child = subprocess.Popen(["sleep", "0.2"])
@@ -455,6 +482,7 @@ def test_a_holder_that_is_a_zombie_is_dead() -> None:
         child.wait()
 
 
+@pytest.mark.full
 def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -468,6 +496,7 @@ def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     assert leases.in_flight(client, name) is None
 
 
+@pytest.mark.full
 def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -489,6 +518,7 @@ def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
     assert client.get(mine.key) == mine.token.encode()
 
 
+@pytest.mark.full
 def test_leaving_removes_the_holder_record_with_the_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -502,6 +532,7 @@ def test_leaving_removes_the_holder_record_with_the_marker(
 # -- commands a worker may repeat through a broker restart ----------------------------------
 
 
+@pytest.mark.full
 def test_a_repeated_claim_of_the_in_flight_slot_by_the_same_job_succeeds_and_no_other_does(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -515,6 +546,7 @@ def test_a_repeated_claim_of_the_in_flight_slot_by_the_same_job_succeeds_and_no_
     assert leases.in_flight(client, name) == "job-1"
 
 
+@pytest.mark.full
 def test_a_lease_whose_taking_reply_was_lost_is_held_by_its_taker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -525,6 +557,7 @@ def test_a_lease_whose_taking_reply_was_lost_is_held_by_its_taker(
     assert not leases.Lease(client, name, 30).acquire()
 
 
+@pytest.mark.full
 def test_a_job_is_claimed_for_a_lease_until_it_is_sent_then_for_the_in_flight_ttl(
     rig: Rig,
 ) -> None:
@@ -550,6 +583,7 @@ def test_a_job_is_claimed_for_a_lease_until_it_is_sent_then_for_the_in_flight_tt
     assert lease < rig.client.ttl(marker) <= rig.planner.settings.inflight_ttl_seconds
 
 
+@pytest.mark.full
 def test_a_workers_redis_client_waits_out_a_broker_restart(tmp_path: Path) -> None:
     server = PrivateRedis(tmp_path / "redis", appendonly=False)
     try:
@@ -567,6 +601,7 @@ def test_a_workers_redis_client_waits_out_a_broker_restart(tmp_path: Path) -> No
         server.stop()
 
 
+@pytest.mark.full
 def test_the_reconcile_loop_passes_at_once_when_the_broker_is_back_from_a_restart(
     tmp_path: Path,
 ) -> None:

@@ -19,6 +19,9 @@ from support.lives import push_hand_commit
 
 from worker.fleet import embedded_redis
 
+# Full tier: its lineages are made with the CLI and git.
+pytestmark = pytest.mark.full
+
 
 class Family(NamedTuple):
     """The forked family, with what the repository and store held before any fork."""

@@ -25,6 +25,9 @@ from worker.instrument.gitrepo import (
     run_git,
 )
 
+# Full tier: real git is the oracle.
+pytestmark = pytest.mark.full
+
 
 def git(repo: Path, *args: str, input: bytes | None = None) -> str:
     return run_git(repo, *args, input=input).stdout.decode().strip()

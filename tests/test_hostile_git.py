@@ -34,6 +34,9 @@ from worker.instrument.gitrepo import (
     run_git,
 )
 
+# Full tier: real git is the oracle.
+pytestmark = pytest.mark.full
+
 # Holds the transaction's lock of one ref, says so, and waits to be killed.
 _HOLDER = """
 import sys, time, pygit2

@@ -41,6 +41,9 @@ from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
 from worker.fleet.tasks import _watch_markers
 
+# Full tier: a private redis-server and real workers.
+pytestmark = pytest.mark.full
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -21,6 +21,9 @@ from support.fleet import S3_REGION, SMALL_PHYSICS, Fleet, PrivateRedis, Worker,
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
 
+# Full tier: a private redis-server, workers and `serve`.
+pytestmark = pytest.mark.full
+
 LABELS = {"lineage", "outcome", "provider", "queue", "direction", "le"}
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

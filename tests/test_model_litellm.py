@@ -38,6 +38,9 @@ from worker.instrument.model.retry import RetryPolicy
 from worker.instrument.model.server import ModelSocket
 from worker.instrument.physics import Physics
 
+# Full tier: LiteLLM's proxy runs as a process of its own.
+pytestmark = pytest.mark.full
+
 KEY = "sk-litellm-test-0123456789abcdef-SECRET"
 KEY_VARIABLES = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "OPENAI_COMPATIBLE_API_KEY")
 CONTEXT = GenerationContext(lineage="peer", generation=1, organism_source='(message "hi")\n')

@@ -869,6 +869,7 @@ def run_elisp_client(
     return (answer.read_text(encoding="utf-8") if answer.exists() else ""), done.stdout
 
 
+@pytest.mark.full
 def test_emacs_lisp_organism_gets_the_model_answer_through_the_socket(
     serve: Serve, tmp_path: Path
 ) -> None:
@@ -882,6 +883,7 @@ def test_emacs_lisp_organism_gets_the_model_answer_through_the_socket(
     assert provider.asked[0][:2] == ("réécris-toi ✓", 77)
 
 
+@pytest.mark.full
 def test_emacs_lisp_organism_sees_error_status_and_reason(serve: Serve, tmp_path: Path) -> None:
     broker = serve(DoubleProvider(), Physics(max_prompt_bytes=1000, budget_usd=Decimal(0)))
 

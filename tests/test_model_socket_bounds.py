@@ -422,6 +422,7 @@ def send_bloat(path: Path, head: bytes, into: list[socket.socket]) -> None:
         client.sendall(head)
 
 
+@pytest.mark.full
 def test_a_flood_of_idle_and_header_bloated_connections_costs_few_threads_little_memory_and_no_delay_at_exit(  # noqa: E501
     tmp_path: Path,
 ) -> None:
