@@ -33,6 +33,8 @@ from support.lives import SLOW, WRITES_STATE, assert_linear, background, generat
 
 from worker.instrument.fingerprint import PACKAGE_ROOT, package_version
 
+# Over the default 120 s: real workers and real lives wait out leases (6 s) and
+# redeliveries, and one test waits up to 180 s for a redelivered generation to land.
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
 

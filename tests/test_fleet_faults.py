@@ -40,6 +40,8 @@ from support.fleet import (
 )
 from support.lives import SLOW, WRITES_STATE, assert_linear, background, generations, start
 
+# Over the default 120 s: each fault is a worker, the broker or the store killed
+# mid-life, and the recovery waits out leases and restarts with real lives.
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
 LEASE = 6

@@ -27,6 +27,7 @@ from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import PACKAGE_ROOT
 
+# Over the default 120 s: lineages wait for real workers to boot, leave and come back.
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
 # "Within a few seconds": generous for a loaded 2-core machine, never a hang.
