@@ -21,7 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, Worker
+from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, PrivateRedis, Worker
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
@@ -44,6 +44,26 @@ def redis_url() -> Iterator[str]:
     client.flushdb()
     yield url
     client.flushdb()
+
+
+@pytest.fixture(scope="session")
+def private_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
+    """One throw-away redis-server for the session (see ``private_redis``)."""
+    server = PrivateRedis(tmp_path_factory.mktemp("private-redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_redis(private_redis_server: PrivateRedis) -> Iterator[PrivateRedis]:
+    """A redis-server of this session alone, emptied before and after the test: for tests
+    that need every key of a server (not a database of the machine's Redis) to be theirs.
+    A test that kills or restarts its server makes a ``PrivateRedis`` of its own."""
+    client = redis.Redis.from_url(private_redis_server.url)
+    client.flushall()
+    yield private_redis_server
+    client.flushall()
+    client.close()
 
 
 @pytest.fixture

@@ -29,13 +29,6 @@ from worker.fleet import leases
 pytestmark = pytest.mark.full
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    private = PrivateRedis(tmp_path_factory.mktemp("session21-redis"))
-    yield private
-    private.stop()
-
-
 class Contested(redis.Redis):
     """A client after each of whose commands an attacker writes each of ``keys`` again as
     a hash, if it is absent: the attacker wins every race between two commands."""
@@ -53,8 +46,8 @@ class Contested(redis.Redis):
 
 
 @pytest.fixture
-def attacker(server: PrivateRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(server.url)
+def attacker(private_redis: PrivateRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(private_redis.url)
     client.flushdb()
     yield client
     client.flushdb()
@@ -62,16 +55,16 @@ def attacker(server: PrivateRedis) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def contested(server: PrivateRedis, attacker: redis.Redis) -> Iterator[Contested]:
-    client = Contested.from_url(server.url)
+def contested(private_redis: PrivateRedis, attacker: redis.Redis) -> Iterator[Contested]:
+    client = Contested.from_url(private_redis.url)
     client.keys, client.attacker = [], attacker
     yield client
     client.close()
 
 
 @pytest.fixture
-def rig(tmp_path: Path, server: PrivateRedis, contested: Contested) -> Rig:
-    return planner_rig(tmp_path, server, contested)
+def rig(tmp_path: Path, private_redis: PrivateRedis, contested: Contested) -> Rig:
+    return planner_rig(tmp_path, private_redis, contested)
 
 
 LINEAGE = "contested"

@@ -47,16 +47,9 @@ pytestmark = pytest.mark.full
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    private = PrivateRedis(tmp_path_factory.mktemp("hostile-redis"))
-    yield private
-    private.stop()
-
-
 @pytest.fixture
-def client(server: PrivateRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(server.url)
+def client(private_redis: PrivateRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(private_redis.url)
     client.flushdb()
     yield client
     client.flushdb()
@@ -68,8 +61,8 @@ def _name(stem: str) -> str:
 
 
 @pytest.fixture
-def rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
-    return planner_rig(tmp_path, server, client)
+def rig(tmp_path: Path, private_redis: PrivateRedis, client: redis.Redis) -> Rig:
+    return planner_rig(tmp_path, private_redis, client)
 
 
 def _orphan(client: redis.Redis, lineage: str, job_id: str, holder: str) -> None:
@@ -172,7 +165,7 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
 
 
 def test_a_live_holder_in_another_pid_namespace_of_this_host_keeps_its_lease(
-    client: redis.Redis, server: PrivateRedis
+    client: redis.Redis, private_redis: PrivateRedis
 ) -> None:
     # Two workers with one hostname and one kernel but two pid namespaces (containers on
     # the host's network or UTS namespace; a systemd unit with PrivatePIDs=): each reads
@@ -189,7 +182,7 @@ def test_a_live_holder_in_another_pid_namespace_of_this_host_keeps_its_lease(
     )
     process = subprocess.Popen(
         ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
-         sys.executable, "-c", holder, server.url, lineage],
+         sys.executable, "-c", holder, private_redis.url, lineage],
         cwd=REPO,
         stdout=subprocess.PIPE,
         start_new_session=True,
@@ -429,16 +422,21 @@ def test_a_cancel_flag_of_another_type_does_not_end_the_run(
 @pytest.mark.bwrap
 @pytest.mark.cgroups
 @pytest.mark.root
+# Over the default 120 s: a real worker boots and lives the lineage's generations.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", [*MARKERS, "cancel"])
 def test_a_real_worker_lands_each_generation_once_beside_a_key_of_another_type(
-    tmp_path: Path, server: PrivateRedis, client: redis.Redis, workers: list[Worker], kind: str
+    tmp_path: Path,
+    private_redis: PrivateRedis,
+    client: redis.Redis,
+    workers: list[Worker],
+    kind: str,
 ) -> None:
     # The markers are planted before ``run`` enqueues the run's first job, the cancel
     # flag (named after the run) before the worker fetches it.
     fleet = Fleet(
         tmp_path,
-        OUROBOROS_BROKER_URL=server.url,
+        OUROBOROS_BROKER_URL=private_redis.url,
         OUROBOROS_LEASE_SECONDS="6",
         OUROBOROS_SPOOL_RETRY_SECONDS="1",
     )

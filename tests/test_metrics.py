@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -53,16 +52,10 @@ def label_values(samples: Samples, label: str) -> set[str]:
     return {v for (_, ls) in samples for k, v in ls if k == label}
 
 
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path / "redis")
-    yield server
-    server.stop()
-
-
 @pytest.mark.bwrap
 @pytest.mark.cgroups
 @pytest.mark.root
+# Over the default 120 s: a fleet of real workers lives generations while it is scraped.
 @pytest.mark.timeout(600)
 def test_metrics_follow_a_running_fleet(
     tmp_path: Path, private_redis: PrivateRedis, s3_endpoint: str

@@ -42,6 +42,7 @@ FULL_TIER_FIXTURES = frozenset(
         "s3_settings",
         "s3_store",
         "private_redis",
+        "private_redis_server",
         "machine_to_itself",
     }
 )
