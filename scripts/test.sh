@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs the test suite the way CI does: lint, then pytest against real Redis, a real
-# moto S3 server, real bwrap, Emacs, git and cgroups, and the compose fleet on a real
-# Docker engine (started here when none answers).
+# Runs the test suite the way CI does: lint and type checks, then pytest against real
+# Redis, a real moto S3 server, real bwrap, Emacs, git and cgroups, and the compose
+# fleet on a real Docker engine (started here when none answers).
 #
 # --fast runs the fast tier only: every test that needs no process, service or
 # sandbox, in this process (tests/support/tiers.py refuses the rest); no Redis or
@@ -30,4 +30,6 @@ fi
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# mypy --strict over worker/ and scheduler/ (configured in pyproject.toml).
+.venv/bin/mypy
 exec .venv/bin/python -m pytest "${fast[@]}" "${args[@]}"
