@@ -21,6 +21,7 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
+from support.browse import Served, serve_sample_and_hostile
 from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, PrivateRedis, Worker
 
 from worker.fleet.settings import Settings
@@ -44,6 +45,15 @@ def redis_url() -> Iterator[str]:
     client.flushdb()
     yield url
     client.flushdb()
+
+
+@pytest.fixture(scope="session")
+def served_sample(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One ``schedule-lineage serve`` for the session over the legacy sample and a lineage
+    full of hostile text: the read-only browse, schema and metrics tests share it."""
+    server = serve_sample_and_hostile(tmp_path_factory.mktemp("served-sample"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

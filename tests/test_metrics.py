@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.browse import PAYLOAD, Served, serve_sample_and_hostile
+from support.browse import PAYLOAD, Served
 from support.fleet import S3_REGION, SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
@@ -158,13 +158,9 @@ def assert_bounded(samples: Samples, lineages: set[str], queues: set[str]) -> No
     assert label_values(samples, "direction") <= {"input", "output"}
 
 
-def test_no_organism_text_becomes_a_label(tmp_path: Path) -> None:
-    served = serve_sample_and_hostile(tmp_path)
-    try:
-        text = served.get("/metrics").text
-        samples = scrape(served)
-    finally:
-        served.stop()
+def test_no_organism_text_becomes_a_label(served_sample: Served) -> None:
+    text = served_sample.get("/metrics").text
+    samples = scrape(served_sample)
     assert "<script" not in text and PAYLOAD not in text
     # The imported lineage has no observations and no run: only fleet lineages are measured.
     assert_bounded(samples, {"xss"}, {"ouroboros.control", "gen.eeeeeeeeeeee"})

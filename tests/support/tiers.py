@@ -43,6 +43,7 @@ FULL_TIER_FIXTURES = frozenset(
         "s3_store",
         "private_redis",
         "private_redis_server",
+        "served_sample",
         "machine_to_itself",
     }
 )
