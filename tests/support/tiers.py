@@ -86,13 +86,13 @@ def pytest_configure(config: pytest.Config) -> None:
             original_bind(self, address)
             _BOUND.add(_key(self.family, self.getsockname()))
 
+        config.stash[_BIND] = socket.socket.__dict__.get("bind", _INHERITED)
         socket.socket.bind = bind  # type: ignore[method-assign]
-        config.stash[_BIND] = original_bind
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _BIND in config.stash:
-        socket.socket.bind = config.stash[_BIND]  # type: ignore[method-assign]
+        _restore(socket.socket, "bind", config.stash[_BIND])
 
 
 def in_full_tier(item: pytest.Item) -> bool:
@@ -190,10 +190,14 @@ def _refusing(item: pytest.Item) -> Iterator[None]:
         yield
     finally:
         for owner, name, value in saved:
-            if value is _INHERITED:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
+            _restore(owner, name, value)
+
+
+def _restore(owner: Any, name: str, value: Any) -> None:
+    if value is _INHERITED:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)
 
 
 def _key(family: int, address: Any) -> Any:
