@@ -1,7 +1,7 @@
 """Shared machinery of the fleet benchmarks (bench_latency, bench_parallel, bench_history, soak).
 
 Each benchmark runs against an isolated fleet in a temporary directory, driven by the
-fleet harness the tests use (``tests/lineage_support.py``: ``Fleet``, ``Worker``,
+fleet harness the tests use (``tests/support/fleet.py``: ``Fleet``, ``Worker``,
 ``PrivateRedis``, ``wait_for``), plus what only a benchmark needs:
 
 * a **snapshot of the source tree** (``worker/``, ``scheduler/``, ``sandbox_scripts/``,
@@ -40,7 +40,7 @@ from pathlib import Path
 
 # The fleet harness lives with the tests (they import it from there): one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from lineage_support import (
+from support.fleet import (
     BYTECODE_CACHE,
     SMALL_PHYSICS,
     Fleet,

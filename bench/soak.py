@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import PYTHON, SMALL_PHYSICS, BenchFleet, bench_args, machine_note, median, wait_for
-from lineage_support import MotoServer, Switch, Worker, task_envelope
+from support.fleet import MotoServer, Switch, Worker, task_envelope
 
 FAULTS = (
     "kill-main",

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -45,7 +45,7 @@ from worker.instrument.errors import Refusal
 from worker.instrument.lineage import NAME_PATTERN
 from worker.instrument.names import COMMIT_PATTERN
 
-SCHEMA = "ouroboros-lineage-archive/v1"
+SCHEMA: Final = "ouroboros-lineage-archive/v1"
 MANIFEST = "manifest.json"
 BUNDLE = "lineage.bundle"
 METADATA = "metadata.json"
@@ -185,7 +185,7 @@ def _order(name: str) -> tuple[int, str]:
 def _add(tar: tarfile.TarFile, name: str, data: io.IOBase, size: int, when: int) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = size, when, 0o644
-    tar.addfile(info, data)  # type: ignore[arg-type]
+    tar.addfile(info, data)
 
 
 class _BoundedTarInfo(tarfile.TarInfo):
@@ -196,14 +196,15 @@ class _BoundedTarInfo(tarfile.TarInfo):
     """
 
     @classmethod
-    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
-        buf = tar.fileobj.read(tarfile.BLOCKSIZE)  # type: ignore[union-attr]
-        info = cls.frombuf(buf, tar.encoding, tar.errors)  # type: ignore[arg-type]
+    def fromtarfile(cls, tar: tarfile.TarFile) -> Self:
+        buf = tar.fileobj.read(tarfile.BLOCKSIZE)
+        info = cls.frombuf(buf, tar.encoding, tar.errors)
         if info.type in _EXTENDED_HEADERS and info.size > MAX_EXTENDED_HEADER_BYTES:
             raise tarfile.HeaderError(
                 f"an extended header of {info.size} bytes, over {MAX_EXTENDED_HEADER_BYTES}"
             )
-        info.offset = tar.fileobj.tell() - tarfile.BLOCKSIZE  # type: ignore[union-attr]
+        info.offset = tar.fileobj.tell() - tarfile.BLOCKSIZE
+        # TarInfo._proc_member is the private step tarfile runs here; typeshed omits it.
         return info._proc_member(tar)  # type: ignore[attr-defined, no-any-return]
 
 

@@ -11,6 +11,7 @@ its value.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from worker.fleet import embedded_redis, leases
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.settings import Settings
 from worker.instrument.ceilings import select_ceiling
+from worker.instrument.model.credentials import Credential
 from worker.instrument.model.providers import HTTP_PROVIDERS
 from worker.instrument.sandbox import resolve_emacs
 
@@ -65,13 +67,7 @@ def checks(settings: Settings) -> list[Check]:
         _binary("git", "install git (scripts/setup.sh)"),
         _attempt("ceiling", lambda: _ceiling(settings)),
         _broker(settings),
-        _attempt(
-            "repository",
-            lambda: (
-                lineage_cache(settings, "scheduler").ls_remote("refs/heads/*") is not None
-                and f"{settings.lineage_repo_url} reachable"
-            ),
-        ),
+        _attempt("repository", lambda: _repository(settings)),
         _attempt("store", lambda: _store_probe(settings)),
     ]
     for provider in HTTP_PROVIDERS.values():
@@ -79,10 +75,7 @@ def checks(settings: Settings) -> list[Check]:
         results.append(
             _attempt(
                 credential.variable,
-                # Reads the key only to learn that it exists; the value never leaves here.
-                lambda credential=credential: (
-                    "present" if credential.read() is not None else _absent()
-                ),
+                functools.partial(_presence, credential),
             ).model_copy(update={"essential": False})
         )
     return results
@@ -125,8 +118,16 @@ def _broker(settings: Settings) -> Check:
     return Check(name="broker", ok=False, detail=f"{where} {problem}")
 
 
-def _absent() -> str:
-    raise LookupError("absent")
+def _repository(settings: Settings) -> str:
+    lineage_cache(settings, "scheduler").ls_remote("refs/heads/*")  # a Refusal if unreadable
+    return f"{settings.lineage_repo_url} reachable"
+
+
+def _presence(credential: Credential) -> str:
+    # Reads the key only to learn that it exists; the value never leaves here.
+    if credential.read() is None:
+        raise LookupError("absent")
+    return "present"
 
 
 def _store_probe(settings: Settings) -> str:

@@ -111,8 +111,12 @@ def ask(
     def inspect() -> None:
         try:
             with app.connection_for_read() as connection:
+                # The stubs type timeout as int; kombu takes seconds as a float.
                 connection.ensure_connection(
-                    max_retries=1, interval_start=0, interval_step=0, timeout=timeout
+                    max_retries=1,
+                    interval_start=0,
+                    interval_step=0,
+                    timeout=timeout,  # type: ignore[arg-type]
                 )
                 app.control.inspect(
                     timeout=timeout, connection=connection, callback=reply

@@ -480,7 +480,9 @@ class Reader:
             status=status,
             head=history.head,
             seed_sha256=history.seed_sha256,
-            instrument_fingerprint=history.metadata.instrument_fingerprint if fleet else None,
+            instrument_fingerprint=(
+                history.metadata.instrument_fingerprint if history.metadata else None
+            ),
             generations=latest,
             outcomes=dict(outcomes),
             model_unavailable=unavailable,

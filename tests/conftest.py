@@ -21,12 +21,14 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from lineage_support import MACHINE_REDIS, Fleet, MotoServer, Worker
+from support.browse import Served, serve_sample_and_hostile
+from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, PrivateRedis, Worker
 
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
 
-S3_REGION = "us-east-1"
+# The tiers (--fast) and their enforcement; pytester runs the tiers' own tests.
+pytest_plugins = ["support.tiers", "pytester"]
 # The lock every test that wants most of this 2-core machine holds while it runs
 # (the compose fleet; a virtual machine): two of them at once, from one session or
 # two, would each miss their deadlines. The kernel drops it when the holder exits.
@@ -43,6 +45,35 @@ def redis_url() -> Iterator[str]:
     client.flushdb()
     yield url
     client.flushdb()
+
+
+@pytest.fixture(scope="session")
+def served_sample(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One ``schedule-lineage serve`` for the session over the legacy sample and a lineage
+    full of hostile text: the read-only browse, schema and metrics tests share it."""
+    server = serve_sample_and_hostile(tmp_path_factory.mktemp("served-sample"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def private_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
+    """One throw-away redis-server for the session (see ``private_redis``)."""
+    server = PrivateRedis(tmp_path_factory.mktemp("private-redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_redis(private_redis_server: PrivateRedis) -> Iterator[PrivateRedis]:
+    """A redis-server of this session alone, emptied before and after the test: for tests
+    that need every key of a server (not a database of the machine's Redis) to be theirs.
+    A test that kills or restarts its server makes a ``PrivateRedis`` of its own."""
+    client = redis.Redis.from_url(private_redis_server.url)
+    client.flushall()
+    yield private_redis_server
+    client.flushall()
+    client.close()
 
 
 @pytest.fixture

@@ -27,9 +27,8 @@ from typing import NamedTuple
 
 import boto3
 import pytest
-from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
-from conftest import S3_REGION
-from lineage_support import Fleet
+from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
+from support.fleet import S3_REGION, Fleet
 
 from scheduler import archive as archive_format
 from scheduler.verify import check
@@ -38,6 +37,9 @@ from worker.fleet.runs import RunRecord, new_run_id
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import IDENTITY, run_git
 from worker.instrument.keys import run_key
+
+# Full tier: its lineages are made and checked with git and the CLI.
+pytestmark = pytest.mark.full
 
 Members = dict[str, bytes]
 

@@ -8,14 +8,17 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
-from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
-from lineage_support import MACHINE_REDIS, SMALL_PHYSICS, Fleet, Worker, seed_file
+from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
+from support.fleet import MACHINE_REDIS, SMALL_PHYSICS, Fleet, Worker, seed_file
+from support.legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 
 from worker.fleet.assembly import observation_store
 from worker.fleet.runs import RunRecord
 from worker.instrument.keys import run_key
 from worker.instrument.records import DEATHS
+
+# Full tier: it serves the UI with `schedule-lineage serve`.
+pytestmark = pytest.mark.full
 
 CRASH = '(message "about to die")\n(error "boom from the organism")\n'
 

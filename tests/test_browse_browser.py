@@ -6,10 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browse_support import PAYLOAD, Served, serve_sample_and_hostile
-from legacy_lineage import FIXTURE_BACKTRACE
-from lineage_support import Fleet
 from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, sync_playwright
+from support.browse import PAYLOAD, Served, serve_sample_and_hostile
+from support.fleet import Fleet
+from support.legacy_lineage import FIXTURE_BACKTRACE
 
 pytestmark = pytest.mark.browser
 

@@ -7,20 +7,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from browse_support import (
+from support.browse import (
     PAYLOAD,
     import_fixture,
     sample_bundle,
     settings_of,
     write_hostile_lineage,
 )
-from legacy_lineage import (
+from support.fleet import Fleet
+from support.legacy_lineage import (
     FIXTURE_BACKTRACE,
     FIXTURE_GENERATIONS,
     FIXTURE_OUT_OF_LOOP,
     write_legacy_bundle,
 )
-from lineage_support import Fleet
 
 
 @pytest.fixture(scope="module")

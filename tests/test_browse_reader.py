@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from browse_support import PAYLOAD, sample_bundle, write_hostile_lineage
-from legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
+from support.browse import PAYLOAD, sample_bundle, write_hostile_lineage
+from support.legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 
 from scheduler.history import journal_entries, journal_entry, parse_subject
 from scheduler.importer import import_bundle
@@ -82,6 +82,7 @@ def test_journal_entries_carry_exit_and_the_fenced_lines_only() -> None:
     assert journal_entry(text, 3) is None
 
 
+@pytest.mark.full
 def test_fixture_reads_as_five_generations_one_death_and_unnumbered_edits(
     fixture_reader: Reader,
 ) -> None:
@@ -114,6 +115,7 @@ def test_fixture_reads_as_five_generations_one_death_and_unnumbered_edits(
     )
 
 
+@pytest.mark.full
 def test_compare_puts_organism_first_and_unknown_numbers_are_not_found(
     fixture_reader: Reader,
 ) -> None:
@@ -135,6 +137,7 @@ def test_compare_puts_organism_first_and_unknown_numbers_are_not_found(
             parse_generation(text)
 
 
+@pytest.mark.full
 def test_family_groups_lineages_seeded_from_the_same_organism(
     fixture_reader: Reader, tmp_path: Path
 ) -> None:
@@ -148,6 +151,7 @@ def test_family_groups_lineages_seeded_from_the_same_organism(
         fixture_reader.family("0" * 64)
 
 
+@pytest.mark.full
 def test_history_follows_new_commits_and_rewrites(fixture_reader: Reader, tmp_path: Path) -> None:
     repo = tmp_path / "lineages.git"
     before = fixture_reader.history("sample")
@@ -166,6 +170,7 @@ def test_history_follows_new_commits_and_rewrites(fixture_reader: Reader, tmp_pa
     assert 6 not in again.by_generation and again.by_generation[5].sha == rewritten
 
 
+@pytest.mark.full
 def test_browsing_writes_nothing_to_the_repository_or_the_store(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path / "home")
     write_hostile_lineage(settings)
@@ -198,6 +203,7 @@ def test_git_access_refuses_every_subcommand_outside_the_allowlist(tmp_path: Pat
 
 
 @pytest.mark.parametrize("backend", ["file", "s3"])
+@pytest.mark.full
 def test_figures_come_from_the_index_object_on_either_store(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

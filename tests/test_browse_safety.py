@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from browse_support import (
+from support.browse import (
     PAYLOAD,
     PAYLOAD_ESCAPED,
     Served,
-    serve_sample_and_hostile,
 )
+
+# Full tier: its sample lineages are made with git and served by `serve`.
+pytestmark = pytest.mark.full
 
 HOSTILE_PAGES = [
     "/",
@@ -21,11 +21,10 @@ HOSTILE_PAGES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = serve_sample_and_hostile(tmp_path_factory.mktemp("browse-safety"))
-    yield server
-    server.stop()
+@pytest.fixture
+def served(served_sample: Served) -> Served:
+    """The session's one served sample (conftest)."""
+    return served_sample
 
 
 def test_organism_text_is_escaped_on_every_page(served: Served) -> None:

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browse_support import Served, serve_sample_and_hostile
+from support.browse import Served
 
 from scheduler.web.api import ErrorBody
+
+# Full tier: it serves the API with `schedule-lineage serve`.
+pytestmark = pytest.mark.full
 
 ST_SECONDS = 400
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = serve_sample_and_hostile(tmp_path_factory.mktemp("browse-schema"))
-    yield server
-    server.stop()
+@pytest.fixture
+def served(served_sample: Served) -> Served:
+    """The session's one served sample (conftest)."""
+    return served_sample
 
 
 def test_every_operation_documents_its_errors_with_their_body(served: Served) -> None:

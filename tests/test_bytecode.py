@@ -18,9 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from lineage_support import copy_instrument
+from support.fleet import copy_instrument
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
+
+# Full tier: each check runs an interpreter of its own.
+pytestmark = pytest.mark.full
 
 CACHED = """
 import sys

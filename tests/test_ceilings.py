@@ -11,7 +11,6 @@ systemd and a real delegated v2 hierarchy are in tests/test_vm_host.py (a booted
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from support.sandbox import (  # noqa: F401  (fixtures, used by name)
+    label_fixture,
+    leftovers,
+    logged_calls,
+    standins_fixture,
+)
 
 from worker.instrument.ceilings import CeilingError, cgroup1, cgroup2, select_ceiling
 from worker.instrument.ceilings.base import (
@@ -36,55 +41,7 @@ from worker.instrument.ceilings.systemd import SystemdCeiling
 from worker.instrument.errors import Refusal
 from worker.instrument.physics import Physics
 
-STANDINS = Path(__file__).parent / "standins"
 MINIMAL_ENV = {"PATH": "/usr/bin:/bin"}
-
-
-def leftovers(label: str) -> list[str]:
-    """Scope directories and processes of ``label`` still present on this host."""
-    found = [
-        str(path)
-        for parent in own_cgroup_dirs().values()
-        for path in (parent / SCOPE_PARENT).glob(f"{label}-*")
-    ]
-    for cgroup in Path("/proc").glob("[0-9]*/cgroup"):
-        try:
-            if f"/{SCOPE_PARENT}/{label}-" in cgroup.read_text():
-                found.append(str(cgroup.parent))
-        except OSError:
-            continue  # the process ended while we looked
-    return found
-
-
-@pytest.fixture(name="label")
-def label_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A scope label unique to the test; afterwards, nothing of it may remain."""
-    name = f"t-{request.node.name[:40].replace('[', '-').replace(']', '')}"
-    yield name
-    assert leftovers(name) == []
-
-
-@pytest.fixture(name="standins")
-def standins_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A directory of stand-in systemd executables first on PATH; configure it with files."""
-    directory = tmp_path / "standins"
-    directory.mkdir()
-    for name in ("systemd-run", "systemctl"):
-        shutil.copy(STANDINS / name, directory / name)
-        (directory / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{directory}:/usr/bin:/bin")
-    return directory
-
-
-def logged_calls(path: Path) -> list[list[str]]:
-    """The argv of every call a stand-in recorded, in order."""
-    calls: list[list[str]] = [[]]
-    for line in path.read_text().splitlines():
-        if line == "----":
-            calls.append([])
-        else:
-            calls[-1].append(line)
-    return calls[:-1]
 
 
 # --- cgroup1, for real ----------------------------------------------------------------------
@@ -225,6 +182,7 @@ def test_a_scope_nothing_joined_is_a_host_fault_not_a_figure(label: str) -> None
             enclosure.figures()
 
 
+@pytest.mark.full
 def test_joining_a_missing_cgroup_runs_nothing(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     done = subprocess.run(
@@ -324,6 +282,7 @@ def test_cgroup2_scope_delegates_controllers_and_holds_the_ceilings(fake_v2: Pat
     assert not (scope / "memory.swap.max").exists()
 
 
+@pytest.mark.full
 def test_cgroup2_command_joins_the_scope_before_exec(fake_v2: Path) -> None:
     enclosure = Cgroup2Ceiling(fake_v2).open(Physics(), "v2")
     done = subprocess.run(
@@ -580,12 +539,14 @@ def test_cgroup2_names_a_namespace_root_whose_processes_it_may_not_move(tmp_path
 # --- systemd, through stand-ins ---------------------------------------------------------
 
 
+@pytest.mark.full
 def test_systemd_is_unavailable_when_no_user_manager_answers(standins: Path) -> None:
     (standins / "no-manager").touch()
     reason = SystemdCeiling().unavailable_reason()
     assert reason is not None and "no systemd user manager answers" in reason
 
 
+@pytest.mark.full
 def test_systemd_from_252_is_available_and_older_is_not(standins: Path) -> None:
     (standins / "version").write_text("252\n")
     assert SystemdCeiling().unavailable_reason() is None
@@ -594,6 +555,7 @@ def test_systemd_from_252_is_available_and_older_is_not(standins: Path) -> None:
     assert reason is not None and "251" in reason and "252+" in reason
 
 
+@pytest.mark.full
 def test_systemd_unit_carries_the_ceilings_as_properties(standins: Path) -> None:
     ceiling = SystemdCeiling()
     assert ceiling.unavailable_reason() is None
@@ -629,6 +591,7 @@ def test_systemd_unit_carries_the_ceilings_as_properties(standins: Path) -> None
     assert not enclosure.figures_dir.exists()
 
 
+@pytest.mark.full
 def test_systemd_argv_reaches_the_service_unexpanded(standins: Path) -> None:
     # The stand-in expands "$NAME", "${NAME}" and "$$" as the manager does.
     words = ["$STANDIN_MANAGER_VAR", "${STANDIN_MANAGER_VAR}x", "$$", "100%h", "a b", "'\\\""]
@@ -646,6 +609,7 @@ def test_systemd_argv_reaches_the_service_unexpanded(standins: Path) -> None:
     assert "$$STANDIN_MANAGER_VAR" in arguments
 
 
+@pytest.mark.full
 def test_systemd_figures_are_read_back_with_systemctl_show(standins: Path) -> None:
     (standins / "show").write_text(
         "Result=oom-kill\nCPUUsageNSec=12000000\nMemoryPeak=4194304\nOOMKills=1\n"
@@ -669,6 +633,7 @@ def test_systemd_figures_are_read_back_with_systemctl_show(standins: Path) -> No
     assert figures.sources["memory_peak_bytes"] == "systemd:MemoryPeak"
 
 
+@pytest.mark.full
 def test_systemd_figures_a_manager_does_not_report_are_named_so(standins: Path) -> None:
     # No collector ran (the unit never started, say), and the manager reports little.
     (standins / "show").write_text("Result=success\nCPUUsageNSec=[not set]\n")
@@ -694,6 +659,7 @@ def stop_post_file(unit: str, result: str = "oom-kill") -> str:
     )
 
 
+@pytest.mark.full
 def test_systemd_252_figures_come_from_the_units_own_cgroup_files(standins: Path) -> None:
     # systemd 252: no MemoryPeak or OOMKills, and the unit (with its cgroup) is gone.
     (standins / "version").write_text("252\n")
@@ -718,6 +684,7 @@ def test_systemd_252_figures_come_from_the_units_own_cgroup_files(standins: Path
     }
 
 
+@pytest.mark.full
 def test_systemd_figures_of_the_manager_come_before_the_cgroup_files(standins: Path) -> None:
     (standins / "show").write_text("Result=success\nCPUUsageNSec=7000\nMemoryPeak=4096\n")
     enclosure = SystemdCeiling().open(Physics(), "lineage-1")
@@ -731,6 +698,7 @@ def test_systemd_figures_of_the_manager_come_before_the_cgroup_files(standins: P
     assert figures.sources["oom_kills"].startswith("cgroup2:memory.events oom_kill of the unit")
 
 
+@pytest.mark.full
 def test_systemd_collector_of_another_cgroup_is_a_host_fault(standins: Path) -> None:
     enclosure = SystemdCeiling().open(Physics(), "lineage-1")
     (standins / "stop-post").write_text(stop_post_file("elsewhere.service"))
@@ -740,6 +708,7 @@ def test_systemd_collector_of_another_cgroup_is_a_host_fault(standins: Path) -> 
     enclosure.close()
 
 
+@pytest.mark.full
 def test_systemd_kills_spare_the_collector(standins: Path) -> None:
     # A SIGKILL to the whole unit would also kill the ExecStopPost= collector when the
     # manager is already running it: seen on systemd 252 after a second kill (the
@@ -756,6 +725,7 @@ def test_systemd_kills_spare_the_collector(standins: Path) -> None:
     assert kills[0][-3:] == ["--kill-whom=main", "--signal=SIGKILL", enclosure.unit], kills
 
 
+@pytest.mark.full
 def test_systemd_result_says_why_the_worker_killed_the_unit(standins: Path) -> None:
     (standins / "show").write_text("Result=signal\n")
     enclosure = SystemdCeiling().open(Physics(), "lineage-1")
@@ -779,6 +749,7 @@ def test_systemd_result_says_why_the_worker_killed_the_unit(standins: Path) -> N
     assert figures.sources["result"] == "the worker's kill (wall time or result overflow)"
 
 
+@pytest.mark.full
 def test_systemd_kill_and_close_kill_stop_and_reset_the_unit(standins: Path) -> None:
     enclosure = SystemdCeiling().open(Physics(), "lineage-1")
     enclosure.kill()
@@ -807,6 +778,7 @@ def test_auto_chooses_cgroup1_on_a_host_without_systemd_or_cgroup2_controllers(
     assert leftovers("probe") == []
 
 
+@pytest.mark.full
 def test_auto_prefers_systemd_when_a_user_manager_answers(standins: Path) -> None:
     ceiling = select_ceiling("auto")
     assert ceiling.name == "systemd"
@@ -815,6 +787,7 @@ def test_auto_prefers_systemd_when_a_user_manager_answers(standins: Path) -> Non
     assert probe[-1] == "/bin/true"
 
 
+@pytest.mark.full
 def test_scope_failure_is_preflight_not_an_organism_death(standins: Path) -> None:
     (standins / "fail").touch()
     with pytest.raises(Refusal) as refused:
@@ -834,6 +807,7 @@ def test_forced_driver_that_cannot_work_is_refused_with_its_reason() -> None:
     assert "no unbounded fallback" in message
 
 
+@pytest.mark.full
 def test_no_working_driver_is_refused_with_every_drivers_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

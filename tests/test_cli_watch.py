@@ -21,8 +21,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, PrivateRedis, Switch, Worker, seed_file, wait_for
-from test_liveness import Follower
+from support.fleet import (
+    SMALL_PHYSICS,
+    Fleet,
+    Follower,
+    PrivateRedis,
+    Switch,
+    Worker,
+    seed_file,
+    wait_for,
+)
 
 from scheduler.reader import open_reader
 from worker.fleet.settings import Settings

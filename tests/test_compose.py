@@ -41,7 +41,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from lineage_support import free_port, seed_file, wait_for
+from support.fleet import free_port, seed_file, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_ENTRYPOINT = "/usr/local/libexec/ouroboros/worker-entrypoint.sh"

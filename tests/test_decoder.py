@@ -24,8 +24,9 @@ from typing import NamedTuple, TypeVar
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from lineage_support import Fleet
-from test_pipeline import make_lineage, run_one
+from support.fleet import Fleet
+from support.lives import make_lineage, run_one
+from support.tarballs import LIMITS, body, build, directory, link, regular
 
 from worker.instrument.decoder import (
     DecodeLimits,
@@ -39,51 +40,16 @@ from worker.instrument.decoder import (
 from worker.instrument.names import KERNEL_OWNED
 from worker.instrument.physics import Physics
 
-LIMITS = DecodeLimits(max_bytes=1024 * 1024, max_files=100)
 T = TypeVar("T")
 
 
 # --- building archives -----------------------------------------------------------------
 
 
-def regular(name: str, data: bytes = b"", mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), mode
-    return info, data
-
-
-def directory(name: str) -> tuple[tarfile.TarInfo, bytes]:
-    info = tarfile.TarInfo(name)
-    info.type, info.mode = tarfile.DIRTYPE, 0o755
-    return info, b""
-
-
-def link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tuple[tarfile.TarInfo, bytes]:
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname = kind, target
-    return info, b""
-
-
-def body(data: bytes = b'(message "alive")\n') -> tuple[tarfile.TarInfo, bytes]:
-    """The organism.el every published tree must hold as a regular file."""
-    return regular("organism.el", data)
-
-
 def special(name: str, kind: bytes) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.type = kind
     return info, b""
-
-
-def build(*members: tuple[tarfile.TarInfo, bytes], fmt: int = tarfile.PAX_FORMAT) -> bytes:
-    buffer = io.BytesIO()
-    # surrogateescape lets a test name carry raw non-UTF-8 bytes ("\udcff" is 0xff).
-    with tarfile.open(
-        fileobj=buffer, mode="w", format=fmt, encoding="utf-8", errors="surrogateescape"
-    ) as archive:
-        for info, data in members:
-            archive.addfile(info, io.BytesIO(data) if data else None)
-    return buffer.getvalue()
 
 
 def decode(archive: bytes, dest: Path, limits: DecodeLimits = LIMITS) -> dict[str, TreeEntry]:
@@ -186,6 +152,7 @@ def test_normal_tree_round_trips_with_exec_bits_and_nested_dirs(tmp_path: Path) 
     assert_disk_matches(tmp_path / "dest", entries)
 
 
+@pytest.mark.full
 def test_real_gnu_tar_output_decodes_in_every_format(tmp_path: Path) -> None:
     source = tmp_path / "work"
     (source / "sub" / "deep").mkdir(parents=True)
@@ -532,6 +499,7 @@ _TRICKY = st.sampled_from(
         max_size=25,
     )
 )
+@pytest.mark.full
 def test_decoder_refuses_exactly_the_paths_git_would_silently_drop(
     tmp_path_factory: pytest.TempPathFactory, names: list[tuple[str, bool]]
 ) -> None:

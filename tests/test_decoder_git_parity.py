@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import pytest
-from test_decoder import LIMITS, body, build, directory, link, regular
+from support.tarballs import LIMITS, body, build, directory, link, regular
 
 from worker.instrument import decoder
 from worker.instrument.decoder import DecoderRejection, decode_archive
@@ -152,6 +152,7 @@ def decoder_refuses(dest: Path, members: list[Member]) -> tuple[bool, str]:
     ("members", "fsck_refuses"),
     [pytest.param(members, refused, id=case) for case, members, refused in CASES],
 )
+@pytest.mark.full
 def test_decoder_refuses_exactly_what_git_fsck_strict_refuses(
     tmp_path: Path, members: list[Member], fsck_refuses: bool
 ) -> None:

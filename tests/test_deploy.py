@@ -212,6 +212,7 @@ def repo_init(repository: Path) -> None:
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "made-before"])
+@pytest.mark.full
 def test_repo_init_configures_the_repository_as_the_package_makes_it(
     tmp_path: Path, existing: bool
 ) -> None:
@@ -357,6 +358,7 @@ def shell_commands(text: str) -> list[list[str]]:
     return out
 
 
+@pytest.mark.full
 def test_every_service_command_exists_in_the_package():
     checked = 0
     for name, service in services().items():
@@ -382,6 +384,7 @@ def test_every_service_command_exists_in_the_package():
     assert checked >= 5
 
 
+@pytest.mark.full
 def test_every_unit_command_exists_in_the_package():
     for unit in SYSTEM_UNITS + USER_UNITS:
         text = (DEPLOY / "systemd" / unit).read_text()
@@ -400,6 +403,7 @@ def shell_scripts() -> list[Path]:
     return sorted(p for p in DEPLOY.rglob("*.sh"))
 
 
+@pytest.mark.full
 def test_shell_scripts_are_strict_and_shellcheck_clean():
     scripts = shell_scripts()
     assert len(scripts) >= 7
@@ -491,11 +495,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "first": first, "second": snapshot(root), "second_run": second_run}
 
 
+@pytest.mark.full
 def test_install_twice_in_a_scratch_root_changes_nothing_the_second_time(installed):
     assert installed["first"] == installed["second"]
     assert "building release" not in installed["second_run"].stdout
 
 
+@pytest.mark.full
 def test_install_creates_the_account_release_units_and_lingering(installed):
     root: Path = installed["root"]
     passwd = (root / "etc/passwd").read_text()
@@ -547,6 +553,7 @@ def test_install_creates_the_account_release_units_and_lingering(installed):
     assert stat.S_IMODE((root / "etc/ouroboros/credentials").stat().st_mode) == 0o750
 
 
+@pytest.mark.full
 def test_the_installed_release_holds_every_file_of_the_packages(installed):
     # A deployment runs from a built wheel, not from this checkout: a template,
     # script or seed left out of the package data is missing on every host.
@@ -563,6 +570,7 @@ def test_the_installed_release_holds_every_file_of_the_packages(installed):
     assert not missing, f"not in the installed package (pyproject package-data?): {missing}"
 
 
+@pytest.mark.full
 def test_install_keeps_an_edited_env_file_and_loads_only_present_credentials(
     tmp_path: Path,
 ):
@@ -586,6 +594,7 @@ def test_install_keeps_an_edited_env_file_and_loads_only_present_credentials(
     )
 
 
+@pytest.mark.full
 def test_a_new_release_with_the_same_dependencies_installs_only_the_project(tmp_path: Path):
     root = scratch_root(tmp_path / "root")
     install(root)
@@ -635,6 +644,7 @@ def assert_verified(result: subprocess.CompletedProcess[str], what: str) -> None
     assert result.returncode == 0 and not output, f"{what}:\n{output}"
 
 
+@pytest.mark.full
 def test_systemd_analyze_verifies_the_installed_system_units(installed):
     root: Path = installed["root"]
     # The units refer to targets of the distribution (multi-user.target,
@@ -652,6 +662,7 @@ def test_systemd_analyze_verifies_the_installed_system_units(installed):
         assert_verified(result, unit)
 
 
+@pytest.mark.full
 def test_systemd_analyze_verifies_the_installed_user_units(installed, tmp_path: Path):
     # `systemd-analyze --user` has no --root: verify copies whose paths point into
     # the scratch root, from a unit directory of their own (with their drop-ins).

@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lineage_support import BYTECODE_CACHE, copy_instrument
+import pytest
+from support.fleet import BYTECODE_CACHE, copy_instrument
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
 
@@ -37,6 +38,7 @@ def fingerprint(root: Path) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.full
 def test_a_plumbing_setting_change_leaves_the_fingerprint_alone(tmp_path: Path) -> None:
     copy = copy_instrument(PACKAGE_ROOT, tmp_path / "copy")
     before = fingerprint(copy)
@@ -50,6 +52,7 @@ def test_a_plumbing_setting_change_leaves_the_fingerprint_alone(tmp_path: Path) 
     assert fingerprint(copy) == before
 
 
+@pytest.mark.full
 def test_an_edit_anywhere_in_the_instrument_folder_changes_the_fingerprint(
     tmp_path: Path,
 ) -> None:

@@ -10,7 +10,6 @@ observation objects.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from lineage_support import (
+from support.fleet import (
     SMALL_PHYSICS,
     Fleet,
     Switch,
@@ -30,44 +29,13 @@ from lineage_support import (
     seed_file,
     wait_for,
 )
+from support.lives import SLOW, WRITES_STATE, assert_linear, background, generations, start
 
 from worker.instrument.fingerprint import PACKAGE_ROOT, package_version
 
+# Over the default 120 s: real workers and real lives wait out leases (6 s) and
+# redeliveries, and one test waits up to 180 s for a redelivered generation to land.
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
-
-SLOW = "(sleep-for {seconds})\n"
-WRITES_STATE = '(with-temp-file "/work/state.el" (insert (format "%S" (random))))\n'
-
-
-def start(fleet: Fleet, workers: list[Worker], name: str, *extra_args: str, **env: str) -> Worker:
-    worker = Worker(fleet, name, *extra_args, **env)
-    workers.append(worker)
-    worker.wait_ready()
-    return worker
-
-
-def background(fleet: Fleet, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """``schedule-lineage ARGS`` in the background, its output in ``log`` (or nowhere)."""
-    with (log or Path(os.devnull)).open("wb") as sink:
-        return subprocess.Popen(
-            [sys.executable, "-m", "scheduler", *args],
-            env=fleet.env,
-            cwd=fleet.home,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def generations(fleet: Fleet, lineage: str) -> list[str]:
-    return [s for s in fleet.subjects(lineage) if s.startswith("gen ")]
-
-
-def assert_linear(fleet: Fleet, lineage: str, count: int) -> None:
-    subjects = generations(fleet, lineage)
-    assert [s.split(":")[0] for s in subjects] == [f"gen {n}" for n in range(count, 0, -1)]
-    assert fleet.git("rev-list", "--merges", f"lineage-{lineage}").strip() == ""
-    assert fleet.observation_numbers(lineage) == list(range(1, count + 1))
 
 
 def test_two_workers_advance_four_lineages_exactly_once(
@@ -189,7 +157,7 @@ def test_store_outage_does_not_stop_the_lineage_and_observations_land_later(
 def test_hand_commit_during_a_generation_discards_the_stale_result(
     fleet: Fleet, workers: list[Worker]
 ) -> None:
-    from test_pipeline import push_hand_commit
+    from support.lives import push_hand_commit
 
     seed = seed_file(fleet.home, SLOW.format(seconds=3) + WRITES_STATE)
     fleet.ok("init", "edited", "--seed", str(seed), *SMALL_PHYSICS)
@@ -509,7 +477,7 @@ def test_a_life_longer_than_the_visibility_timeout_is_refused_before_any_run(
 
 
 def test_status_lists_an_imported_legacy_lineage_beside_fleet_lineages(fleet: Fleet) -> None:
-    from browse_support import import_fixture
+    from support.browse import import_fixture
 
     fleet.ok("init", "native", *SMALL_PHYSICS)
     import_fixture(fleet)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import (
+from support.fleet import (
     SMALL_PHYSICS,
     Fleet,
     PrivateRedis,
@@ -38,8 +38,10 @@ from lineage_support import (
     task_envelope,
     wait_for,
 )
-from test_fleet import SLOW, WRITES_STATE, assert_linear, background, generations, start
+from support.lives import SLOW, WRITES_STATE, assert_linear, background, generations, start
 
+# Over the default 120 s: each fault is a worker, the broker or the store killed
+# mid-life, and the recovery waits out leases and restarts with real lives.
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
 LEASE = 6

@@ -12,20 +12,18 @@ lineage names of its own and deletes their keys afterwards.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import MACHINE_REDIS, PrivateRedis
+from support.fleet import MACHINE_REDIS, PrivateRedis
+from support.rig import HEAD, INSTRUMENT, PHYSICS, WHEN, Rig, Sent, dead_holder, entry, report
 
 from scheduler.cli.lineages import until_next_pass
 from worker.fleet import leases
@@ -33,28 +31,8 @@ from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
 from worker.fleet.runs import RunRecord, hard_time_limit, job_of, queue_of, run_progress
 from worker.fleet.settings import Settings
-from worker.instrument import journal
-from worker.instrument.fingerprint import Instrument
-from worker.instrument.gitrepo import Entry
-from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import index_key
-from worker.instrument.lineage import LineageMetadata, create_lineage
-from worker.instrument.names import ORGANISM_PATH
-from worker.instrument.physics import Physics
-from worker.instrument.records import IndexEntry, LineageIndex
 
 REDIS_URL = f"{MACHINE_REDIS}/0"
-SEED = b';;; rules organism  -*- lexical-binding: t; -*-\n(message "hi")\n'
-INSTRUMENT = Instrument(
-    fingerprint=hashlib.sha256(b"fleet-rules stand-in instrument").hexdigest(),
-    version="0.0.0",
-    scripts={},
-    seed=SEED,
-    sources={},
-)
-PHYSICS = Physics(wall_seconds=60, cpu_seconds=60)
-WHEN = datetime(2026, 3, 1, tzinfo=UTC)
-HEAD = "c" * 40
 
 
 # -- Redis, names and the fake send --------------------------------------------------------
@@ -83,94 +61,6 @@ def unique(client: redis.Redis) -> Iterator[Callable[[str], str]]:
                 client.delete(key)
 
 
-@dataclass
-class Sent:
-    """A ``send`` that records its calls instead of talking to Celery."""
-
-    calls: list[tuple[GenerationJob, str, str, int]] = field(default_factory=list)
-    # Per call: sent to the front of its queue, ahead of the jobs already waiting there.
-    first: list[bool] = field(default_factory=list)
-
-    def __call__(
-        self, job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool
-    ) -> None:
-        self.calls.append((job, job_id, queue, time_limit))
-        self.first.append(first)
-
-    @property
-    def jobs(self) -> list[GenerationJob]:
-        return [job for job, *_ in self.calls]
-
-
-@dataclass
-class Rig:
-    """A planner on a private repository and store, the real Redis and a fake send."""
-
-    planner: Planner
-    sent: Sent
-    client: redis.Redis
-    name: Callable[[str], str]
-
-    def lineage(self, stem: str) -> tuple[str, LineageMetadata]:
-        """A new lineage, made the way ``schedule-lineage init`` makes one."""
-        name = self.name(stem)
-        settings = self.planner.settings
-        meta = create_lineage(
-            name=name,
-            seed=SEED,
-            physics=PHYSICS,
-            instrument=INSTRUMENT,
-            commit="a" * 40,
-            repository="tests",
-            ref="tests",
-            repo_url=settings.lineage_repo_url,
-            cache=self.planner.cache,
-            store=self.planner.store,
-        )
-        return name, meta
-
-    def head(self, lineage: str) -> str:
-        head = self.planner.cache.fetch(lineage)
-        assert head is not None
-        return head
-
-    def land(self, lineage: str, generation: int) -> str:
-        """Push generation ``generation`` (a ``gen N: changed`` commit) onto the lineage."""
-        cache = self.planner.cache
-        parent = self.head(lineage)
-        tree = cache.tree(parent)
-        body = SEED + f";; generation {generation}\n".encode()
-        tree[ORGANISM_PATH] = Entry("100644", cache.hash_bytes(body))
-        subject = journal.subject_changed(generation, journal.changed_summary((1, 0), 1))
-        commit = cache.commit(parent, tree, subject)
-        assert cache.push_cas(lineage, commit, parent)
-        return commit
-
-    def observe(
-        self, lineage: str, generation: int, run_id: str, spent: str, exhausted: bool = False
-    ) -> None:
-        """Add a generation's entry to the lineage index, as publication does."""
-        store = self.planner.store
-        index = LineageIndex.parse(store.get(index_key(lineage)), lineage)
-        index = index.with_entry(entry(generation, run_id, spent, exhausted))
-        store.put(index_key(lineage), index.model_dump_json().encode())
-
-    def run(self, lineage: str, generations: int, budget: str = "1.00") -> RunRecord:
-        return self.planner.start_run(
-            lineage, self.head(lineage), generations, "scripted", None, Decimal(budget)
-        )
-
-    def first_generation(
-        self, stem: str, generations: int, budget: str = "1.00"
-    ) -> tuple[GenerationJob, str]:
-        """A new lineage's run, its first job as enqueued, and the commit that job landed."""
-        name, _ = self.lineage(stem)
-        self.run(name, generations, budget)
-        job = self.planner.enqueue(name)
-        assert job is not None
-        return job, self.land(name, 1)
-
-
 @pytest.fixture
 def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Rig:
     settings = Settings(
@@ -190,23 +80,6 @@ def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Ri
     return Rig(planner=planner, sent=sent, client=client, name=unique)
 
 
-def entry(generation: int, run_id: str | None, spent: str, exhausted: bool = False) -> IndexEntry:
-    return IndexEntry(
-        generation=generation,
-        outcome="changed",
-        parent_commit="b" * 40,
-        lineage_commit=HEAD,
-        finished_at=WHEN,
-        duration_seconds=1.0,
-        cpu_usage_nsec=None,
-        memory_peak_bytes=None,
-        model_calls=1,
-        spent_usd=Decimal(spent),
-        run_id=run_id,
-        run_budget_exhausted=exhausted,
-    )
-
-
 def run_record(**changes: object) -> RunRecord:
     values: dict[str, object] = {
         "run_id": "20260301T000000000000Z-abcdef",
@@ -219,22 +92,6 @@ def run_record(**changes: object) -> RunRecord:
         "budget_usd": Decimal("1.00"),
     }
     return RunRecord.model_validate({**values, **changes})
-
-
-def report(
-    job: GenerationJob, generation: int, commit: str, spent: str, **changes: object
-) -> GenerationReport:
-    values: dict[str, object] = {
-        "lineage": job.lineage,
-        "generation": generation,
-        "outcome": "changed",
-        "parent": job.expected_commit,
-        "commit": commit,
-        "spent_usd": Decimal(spent),
-        "run_budget_exhausted": False,
-        "observation_stored": True,
-    }
-    return GenerationReport.model_validate({**values, **changes})
 
 
 # -- run_progress and job_of: pure rules ----------------------------------------------------
@@ -302,6 +159,7 @@ def test_the_job_of_a_run_carries_its_target_and_what_its_budget_has_left() -> N
 # -- Planner.enqueue ------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_enqueue_sends_exactly_one_job_for_a_lineage_whose_run_wants_more(rig: Rig) -> None:
     name, _ = rig.lineage("wants")
     run = rig.run(name, 3, "0.50")
@@ -315,6 +173,7 @@ def test_enqueue_sends_exactly_one_job_for_a_lineage_whose_run_wants_more(rig: R
     assert leases.in_flight(rig.client, name) == job_id
 
 
+@pytest.mark.full
 def test_a_second_enqueue_while_the_in_flight_marker_exists_sends_nothing(rig: Rig) -> None:
     name, _ = rig.lineage("twice")
     rig.run(name, 3)
@@ -324,6 +183,7 @@ def test_a_second_enqueue_while_the_in_flight_marker_exists_sends_nothing(rig: R
     assert len(rig.sent.calls) == 1
 
 
+@pytest.mark.full
 def test_enqueue_sends_the_job_to_the_lineage_instrument_queue_with_its_hard_time_limit(
     rig: Rig,
 ) -> None:
@@ -336,6 +196,7 @@ def test_enqueue_sends_the_job_to_the_lineage_instrument_queue_with_its_hard_tim
     assert job_id.startswith(f"{name}.{rig.head(name)[:12]}.")
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_lineage_without_a_run(rig: Rig) -> None:
     name, _ = rig.lineage("idle")
     assert rig.planner.enqueue(name) is None
@@ -343,6 +204,7 @@ def test_enqueue_sends_nothing_for_a_lineage_without_a_run(rig: Rig) -> None:
     assert leases.in_flight(rig.client, name) is None
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_run_that_reached_its_target(rig: Rig) -> None:
     name, _ = rig.lineage("finished")
     run = rig.run(name, 1)
@@ -352,6 +214,7 @@ def test_enqueue_sends_nothing_for_a_run_that_reached_its_target(rig: Rig) -> No
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_run_that_exhausted_its_budget(rig: Rig) -> None:
     name, _ = rig.lineage("spent")
     run = rig.run(name, 5, "0.20")
@@ -361,6 +224,7 @@ def test_enqueue_sends_nothing_for_a_run_that_exhausted_its_budget(rig: Rig) -> 
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_cancelled_run(rig: Rig) -> None:
     name, _ = rig.lineage("cancelled")
     run = rig.run(name, 3)
@@ -371,6 +235,7 @@ def test_enqueue_sends_nothing_for_a_cancelled_run(rig: Rig) -> None:
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
     name, _ = rig.lineage("blocked")
     rig.run(name, 3)
@@ -379,6 +244,7 @@ def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
     assert rig.sent.calls == []
 
 
+@pytest.mark.full
 def test_a_new_run_replaces_the_active_one_and_enqueue_follows_the_new_run(rig: Rig) -> None:
     name, _ = rig.lineage("replaced")
     first = rig.run(name, 3)
@@ -392,6 +258,7 @@ def test_a_new_run_replaces_the_active_one_and_enqueue_follows_the_new_run(rig: 
 # -- Planner.follow_up ----------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_follow_up_after_a_report_is_the_next_job_when_the_run_wants_more(rig: Rig) -> None:
     job, commit = rig.first_generation("onward", 3, "1.00")
     follow = rig.planner.follow_up(job, report(job, 1, commit, "0.30"))
@@ -407,22 +274,26 @@ def test_follow_up_after_a_report_is_the_next_job_when_the_run_wants_more(rig: R
     assert rig.sent.jobs == [job]  # follow_up plans; it sends nothing itself
 
 
+@pytest.mark.full
 def test_follow_up_is_none_when_the_report_reaches_the_target(rig: Rig) -> None:
     job, commit = rig.first_generation("arrived", 1)
     assert rig.planner.follow_up(job, report(job, 1, commit, "0.10")) is None
 
 
+@pytest.mark.full
 def test_follow_up_is_none_when_the_report_spends_the_rest_of_the_budget(rig: Rig) -> None:
     job, commit = rig.first_generation("broke", 3, "0.25")
     assert rig.planner.follow_up(job, report(job, 1, commit, "0.25")) is None
 
 
+@pytest.mark.full
 def test_follow_up_is_none_when_the_report_says_the_run_budget_is_exhausted(rig: Rig) -> None:
     job, commit = rig.first_generation("refused", 3, "1.00")
     exhausted = report(job, 1, commit, "0.01", run_budget_exhausted=True)
     assert rig.planner.follow_up(job, exhausted) is None
 
 
+@pytest.mark.full
 def test_follow_up_is_none_once_the_run_was_cancelled(rig: Rig) -> None:
     job, commit = rig.first_generation("halted", 3)
     rig.planner.cancel(job.lineage)
@@ -432,6 +303,7 @@ def test_follow_up_is_none_once_the_run_was_cancelled(rig: Rig) -> None:
 # -- Planner.reconcile ----------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_reconcile_re_enqueues_a_lineage_whose_run_wants_more_with_no_marker_nor_lease(
     rig: Rig,
 ) -> None:
@@ -444,6 +316,7 @@ def test_reconcile_re_enqueues_a_lineage_whose_run_wants_more_with_no_marker_nor
     assert leases.in_flight(rig.client, idle) is None
 
 
+@pytest.mark.full
 def test_reconcile_re_enqueues_a_run_whose_message_and_marker_were_lost(rig: Rig) -> None:
     name, _ = rig.lineage("lost")
     rig.run(name, 2)
@@ -454,6 +327,7 @@ def test_reconcile_re_enqueues_a_run_whose_message_and_marker_were_lost(rig: Rig
     assert len(rig.sent.calls) == 2
 
 
+@pytest.mark.full
 def test_what_reconcile_recovers_goes_first_and_a_planned_job_waits_its_turn(rig: Rig) -> None:
     name, _ = rig.lineage("front")
     rig.run(name, 2)
@@ -463,6 +337,7 @@ def test_what_reconcile_recovers_goes_first_and_a_planned_job_waits_its_turn(rig
     assert rig.sent.first == [False, True]
 
 
+@pytest.mark.full
 def test_reconcile_skips_a_lineage_whose_lease_is_held(rig: Rig) -> None:
     name, _ = rig.lineage("leased")
     rig.run(name, 2)
@@ -474,6 +349,7 @@ def test_reconcile_skips_a_lineage_whose_lease_is_held(rig: Rig) -> None:
     assert rig.planner.reconcile() == [name]
 
 
+@pytest.mark.full
 def test_reconcile_skips_a_lineage_with_an_in_flight_marker(rig: Rig) -> None:
     name, _ = rig.lineage("marked")
     rig.run(name, 2)
@@ -486,6 +362,7 @@ def test_reconcile_skips_a_lineage_with_an_in_flight_marker(rig: Rig) -> None:
 # -- leases.holding ---------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_a_second_holder_of_a_held_lease_gets_lease_busy(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -499,6 +376,7 @@ def test_a_second_holder_of_a_held_lease_gets_lease_busy(
     assert not ran
 
 
+@pytest.mark.full
 def test_the_heartbeat_keeps_the_lease_and_running_marker_alive_past_their_ttl(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -511,6 +389,7 @@ def test_the_heartbeat_keeps_the_lease_and_running_marker_alive_past_their_ttl(
         assert 0 < client.ttl(lease.key) <= ttl
 
 
+@pytest.mark.full
 def test_leaving_releases_the_lease_and_the_running_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -523,6 +402,7 @@ def test_leaving_releases_the_lease_and_the_running_marker(
     assert not any(t.name == f"lease-{name}" for t in threading.enumerate())
 
 
+@pytest.mark.full
 def test_leaving_by_an_exception_releases_the_lease_and_the_running_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -535,6 +415,7 @@ def test_leaving_by_an_exception_releases_the_lease_and_the_running_marker(
         assert leases.in_flight(client, name) == "job-2"
 
 
+@pytest.mark.full
 def test_a_release_never_removes_another_holders_lease(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -550,6 +431,7 @@ def test_a_release_never_removes_another_holders_lease(
     assert client.get(theirs.key) == theirs.token.encode()
 
 
+@pytest.mark.full
 def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -567,20 +449,12 @@ def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
 # -- leases.release_dead_holders --------------------------------------------------------------
 
 
-def _dead_holder() -> str:
-    """The holder name of a process of this host that has exited."""
-    process = subprocess.Popen(["sleep", "60"])
-    name = leases.holder_name(process.pid)
-    process.kill()
-    process.wait()
-    return name
-
-
+@pytest.mark.full
 def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
     name = unique("orphaned")
-    dead = _dead_holder()
+    dead = dead_holder()
     # As a pool child killed mid-life leaves them: its marker, its record, its lease.
     client.set(f"{leases.PREFIX}:inflight:{name}", "job-1", ex=600)
     client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {dead}", ex=600)
@@ -591,6 +465,7 @@ def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     assert not client.exists(f"{leases.PREFIX}:holder:{name}")
 
 
+@pytest.mark.full
 def test_a_holder_that_is_a_zombie_is_dead() -> None:
     # A killed worker's pool children are zombies until some init reaps them.
     child = subprocess.Popen(["sleep", "0.2"])
@@ -607,6 +482,7 @@ def test_a_holder_that_is_a_zombie_is_dead() -> None:
         child.wait()
 
 
+@pytest.mark.full
 def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -615,20 +491,21 @@ def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     assert leases.keep_marker(client, name, "job-1", 600)  # this process fetched it
     assert (name, "job-1") not in leases.release_dead_holders(client)
     assert leases.in_flight(client, name) == "job-1"
-    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {_dead_holder()}", ex=600)
+    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {dead_holder()}", ex=600)
     assert (name, "job-1") in leases.release_dead_holders(client)
     assert leases.in_flight(client, name) is None
 
 
+@pytest.mark.full
 def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
     elsewhere, newer = unique("elsewhere"), unique("newer")
-    far = "another-host:" + _dead_holder().split(":", 1)[1]
+    far = "another-host:" + dead_holder().split(":", 1)[1]
     client.set(f"{leases.PREFIX}:inflight:{elsewhere}", "job-1", ex=600)
     client.set(f"{leases.PREFIX}:holder:{elsewhere}", f"job-1 {far}", ex=600)
     # The dead holder's job ended and a live one took the lineage: only the record goes.
-    dead = _dead_holder()
+    dead = dead_holder()
     client.set(f"{leases.PREFIX}:inflight:{newer}", "job-2", ex=600)
     client.set(f"{leases.PREFIX}:holder:{newer}", f"job-1 {dead}", ex=600)
     mine = leases.Lease(client, newer, 600)
@@ -641,6 +518,7 @@ def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
     assert client.get(mine.key) == mine.token.encode()
 
 
+@pytest.mark.full
 def test_leaving_removes_the_holder_record_with_the_marker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -654,6 +532,7 @@ def test_leaving_removes_the_holder_record_with_the_marker(
 # -- commands a worker may repeat through a broker restart ----------------------------------
 
 
+@pytest.mark.full
 def test_a_repeated_claim_of_the_in_flight_slot_by_the_same_job_succeeds_and_no_other_does(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -667,6 +546,7 @@ def test_a_repeated_claim_of_the_in_flight_slot_by_the_same_job_succeeds_and_no_
     assert leases.in_flight(client, name) == "job-1"
 
 
+@pytest.mark.full
 def test_a_lease_whose_taking_reply_was_lost_is_held_by_its_taker(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
@@ -677,6 +557,7 @@ def test_a_lease_whose_taking_reply_was_lost_is_held_by_its_taker(
     assert not leases.Lease(client, name, 30).acquire()
 
 
+@pytest.mark.full
 def test_a_job_is_claimed_for_a_lease_until_it_is_sent_then_for_the_in_flight_ttl(
     rig: Rig,
 ) -> None:
@@ -702,6 +583,7 @@ def test_a_job_is_claimed_for_a_lease_until_it_is_sent_then_for_the_in_flight_tt
     assert lease < rig.client.ttl(marker) <= rig.planner.settings.inflight_ttl_seconds
 
 
+@pytest.mark.full
 def test_a_workers_redis_client_waits_out_a_broker_restart(tmp_path: Path) -> None:
     server = PrivateRedis(tmp_path / "redis", appendonly=False)
     try:
@@ -719,6 +601,7 @@ def test_a_workers_redis_client_waits_out_a_broker_restart(tmp_path: Path) -> No
         server.stop()
 
 
+@pytest.mark.full
 def test_the_reconcile_loop_passes_at_once_when_the_broker_is_back_from_a_restart(
     tmp_path: Path,
 ) -> None:

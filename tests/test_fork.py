@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, copy_instrument
-from test_pipeline import push_hand_commit, run_one
+from support.fleet import SMALL_PHYSICS, Fleet, copy_instrument
+from support.lives import push_hand_commit, run_one
 
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings

@@ -13,11 +13,14 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
-from browse_support import Served, import_fixture, settings_of, write_hostile_lineage
-from lineage_support import Fleet
-from test_pipeline import push_hand_commit
+from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
+from support.fleet import Fleet
+from support.lives import push_hand_commit
 
 from worker.fleet import embedded_redis
+
+# Full tier: its lineages are made with the CLI and git.
+pytestmark = pytest.mark.full
 
 
 class Family(NamedTuple):

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, helper_name, seed_file
+from support.fleet import SMALL_PHYSICS, Fleet, helper_name, seed_file
 
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import (
@@ -24,6 +24,9 @@ from worker.instrument.gitrepo import (
     ensure_shared_repo,
     run_git,
 )
+
+# Full tier: real git is the oracle.
+pytestmark = pytest.mark.full
 
 
 def git(repo: Path, *args: str, input: bytes | None = None) -> str:

@@ -14,7 +14,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from test_decoder import body, build, regular
+from support.tarballs import body, build, regular
 
 from worker.instrument import decoder
 from worker.instrument.decoder import DecodeLimits, DecoderRejection, decode_archive

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, seed_file
+from support.fleet import SMALL_PHYSICS, Fleet, seed_file
 
 from worker.instrument.gitrepo import (
     IDENTITY,
@@ -33,6 +33,9 @@ from worker.instrument.gitrepo import (
     ensure_shared_repo,
     run_git,
 )
+
+# Full tier: real git is the oracle.
+pytestmark = pytest.mark.full
 
 # Holds the transaction's lock of one ref, says so, and waits to be killed.
 _HOLDER = """

@@ -7,7 +7,7 @@ code on them: ``leases.release_dead_holders``, the main process's watch loop
 (``worker.fleet.tasks._watch_markers``), the planner's ``submit`` and ``reconcile``, and
 the scheduler's ``status``. The planner runs on the real repository and file store of
 ``test_fleet_rules``'s rig. The keys of another Redis type than the fleet writes are
-also planted before a real worker (``lineage_support.Worker``) lives the lineage.
+also planted before a real worker (``support.fleet.Worker``) lives the lineage.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import (
+from support.fleet import (
     SMALL_PHYSICS,
     Fleet,
     PrivateRedis,
@@ -34,29 +34,22 @@ from lineage_support import (
     seed_file,
     wait_for,
 )
-from test_fleet import WRITES_STATE, assert_linear, generations, start
-from test_fleet_rules import Rig, Sent, _dead_holder, report
+from support.lives import WRITES_STATE, assert_linear, generations, start
+from support.rig import Rig, dead_holder, planner_rig, report
 
 from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
-from worker.fleet.assembly import lineage_cache, observation_store
-from worker.fleet.planner import Planner
-from worker.fleet.settings import Settings
 from worker.fleet.tasks import _watch_markers
+
+# Full tier: a private redis-server and real workers.
+pytestmark = pytest.mark.full
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    private = PrivateRedis(tmp_path_factory.mktemp("hostile-redis"))
-    yield private
-    private.stop()
-
-
 @pytest.fixture
-def client(server: PrivateRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(server.url)
+def client(private_redis: PrivateRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(private_redis.url)
     client.flushdb()
     yield client
     client.flushdb()
@@ -68,26 +61,8 @@ def _name(stem: str) -> str:
 
 
 @pytest.fixture
-def rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
-    return planner_rig(tmp_path, server, client)
-
-
-def planner_rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:
-    """A scheduler's planner on ``server`` through ``client``, recording what it sends."""
-    settings = Settings(
-        home=tmp_path / "home",
-        broker_url=server.url,
-        visibility_timeout_seconds=7200,
-        inflight_ttl_seconds=3600,
-    )
-    planner = Planner(
-        settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
-        client=client,
-        send=Sent(),
-    )
-    return Rig(planner=planner, sent=planner.send, client=client, name=_name)  # type: ignore[arg-type]
+def rig(tmp_path: Path, private_redis: PrivateRedis, client: redis.Redis) -> Rig:
+    return planner_rig(tmp_path, private_redis, client)
 
 
 def _orphan(client: redis.Redis, lineage: str, job_id: str, holder: str) -> None:
@@ -152,7 +127,7 @@ def test_a_forged_holder_record_does_not_kill_the_watch_thread(
     client.set(leases.holder_key("forged"), f"job-x {_forged_holder(pid)}", ex=600)
     real = _name("real")
     time.sleep(2.5)
-    _orphan(client, real, "job-1", _dead_holder())
+    _orphan(client, real, "job-1", dead_holder())
     wait_for(lambda: real in sweeper.recovered, 15, "the genuine dead holder's release")
     assert sweeper.thread.is_alive()
 
@@ -165,7 +140,7 @@ def test_a_holder_key_of_another_type_does_not_stop_the_sweep(
     # (or not released at all, depending on the scan's order), silently, for good.
     client.hset(leases.holder_key("forged"), "a", "b")
     real = _name("real")
-    _orphan(client, real, "job-1", _dead_holder())
+    _orphan(client, real, "job-1", dead_holder())
     wait_for(lambda: real in sweeper.recovered, 15, "the genuine dead holder's release")
 
 
@@ -177,7 +152,7 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
     # planner (whose store refuses it with a ValueError that the recovery thread's
     # future swallows, unlogged).
     hostile = "x\n[2026-01-01 00:00:00,000: CRITICAL/MainProcess] forged\x1b[2J"
-    dead = _dead_holder()
+    dead = dead_holder()
     client.set(leases.holder_key(hostile), f"job-1 {dead}", ex=600)
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
         released = leases.release_dead_holders(client)
@@ -190,7 +165,7 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
 
 
 def test_a_live_holder_in_another_pid_namespace_of_this_host_keeps_its_lease(
-    client: redis.Redis, server: PrivateRedis
+    client: redis.Redis, private_redis: PrivateRedis
 ) -> None:
     # Two workers with one hostname and one kernel but two pid namespaces (containers on
     # the host's network or UTS namespace; a systemd unit with PrivatePIDs=): each reads
@@ -207,7 +182,7 @@ def test_a_live_holder_in_another_pid_namespace_of_this_host_keeps_its_lease(
     )
     process = subprocess.Popen(
         ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
-         sys.executable, "-c", holder, server.url, lineage],
+         sys.executable, "-c", holder, private_redis.url, lineage],
         cwd=REPO,
         stdout=subprocess.PIPE,
         start_new_session=True,
@@ -233,7 +208,7 @@ def test_the_take_over_of_a_dead_holders_lease_is_safe_to_repeat(client: redis.R
     # script answers 0: acquire() says LeaseBusy to a job that holds the lease, which then
     # stays held, by nobody running, for lease_seconds.
     lineage = _name("retaken")
-    dead = f"{_dead_holder()}/0123"
+    dead = f"{dead_holder()}/0123"
     lease = leases.Lease(client, lineage, 600)
     client.set(lease.key, dead, ex=600)
     assert client.eval(lease._TAKE_OVER, 1, lease.key, dead, lease.token, lease.ttl)
@@ -419,7 +394,7 @@ def test_a_dead_holders_job_is_released_whole_beside_a_marker_or_lease_of_anothe
     # The release script removed the holder record, then failed on the other key: the
     # job was never reported released (nobody re-enqueued it), and its lease stayed.
     lineage = _name("orphan")
-    _orphan(client, lineage, "job-1", _dead_holder())
+    _orphan(client, lineage, "job-1", dead_holder())
     plant(client, key_of(lineage))
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
         assert (lineage, "job-1") in leases.release_dead_holders(client)
@@ -447,16 +422,21 @@ def test_a_cancel_flag_of_another_type_does_not_end_the_run(
 @pytest.mark.bwrap
 @pytest.mark.cgroups
 @pytest.mark.root
+# Over the default 120 s: a real worker boots and lives the lineage's generations.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", [*MARKERS, "cancel"])
 def test_a_real_worker_lands_each_generation_once_beside_a_key_of_another_type(
-    tmp_path: Path, server: PrivateRedis, client: redis.Redis, workers: list[Worker], kind: str
+    tmp_path: Path,
+    private_redis: PrivateRedis,
+    client: redis.Redis,
+    workers: list[Worker],
+    kind: str,
 ) -> None:
     # The markers are planted before ``run`` enqueues the run's first job, the cancel
     # flag (named after the run) before the worker fetches it.
     fleet = Fleet(
         tmp_path,
-        OUROBOROS_BROKER_URL=server.url,
+        OUROBOROS_BROKER_URL=private_redis.url,
         OUROBOROS_LEASE_SECONDS="6",
         OUROBOROS_SPOOL_RETRY_SECONDS="1",
     )

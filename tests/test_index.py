@@ -15,7 +15,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from browse_support import sample_observation, write_hostile_lineage
+from support.browse import sample_observation, write_hostile_lineage
 
 from scheduler.reader import Reader
 from worker.fleet.settings import Settings
@@ -123,6 +123,7 @@ def test_lost_entries_are_repaired_across_a_segment_boundary(
     assert index.read_index(observation_store, "holes") == whole("holes", range(1, 8))
 
 
+@pytest.mark.full
 def test_the_browser_reads_the_same_figures_from_either_format(
     tmp_path: Path, file_store: ObservationStore
 ) -> None:

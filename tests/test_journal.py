@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from lineage_support import Fleet
 from markdown_it import MarkdownIt
-from test_pipeline import make_lineage, run_one
+from support.fleet import Fleet
+from support.lives import make_lineage, run_one
 
 from scheduler.history import journal_entries
 from worker.instrument import journal

@@ -12,21 +12,19 @@ Real Celery workers, the real embedded Redis, the real pipeline.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from browse_support import Served
-from lineage_support import Fleet, Worker, copy_instrument, free_port, wait_for
+from support.browse import Served
+from support.fleet import Fleet, Follower, Worker, copy_instrument, free_port, wait_for
 
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import PACKAGE_ROOT
 
+# Over the default 120 s: lineages wait for real workers to boot, leave and come back.
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
 # "Within a few seconds": generous for a loaded 2-core machine, never a hang.
@@ -40,40 +38,6 @@ def newcomer(tmp_path: Path) -> Iterator[Fleet]:
     del fleet.env["OUROBOROS_HOME"]  # ./.ouroboros in the working directory, as a newcomer has
     yield fleet
     embedded_redis.stop(Settings(home=tmp_path / ".ouroboros"))
-
-
-class Follower:
-    """``schedule-lineage ARGS`` in the background, its output read line by line as it comes."""
-
-    def __init__(self, fleet: Fleet, *args: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "scheduler", *args],
-            env={**fleet.env, "COLUMNS": "400"},
-            cwd=fleet.home,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def said(self, text: str, timeout: float) -> str:
-        return wait_for(
-            lambda: next((line for line in self.lines if text in line), None),
-            timeout,
-            f"{text!r} in the output; so far:\n" + "\n".join(self.lines),
-        )
-
-    def finish(self, timeout: float) -> int:
-        code = self.process.wait(timeout)
-        self.reader.join(10)
-        return code
 
 
 def other_instrument(tmp_path: Path) -> Path:

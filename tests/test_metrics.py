@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
-from browse_support import PAYLOAD, Served, serve_sample_and_hostile
-from conftest import S3_REGION
-from lineage_support import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from support.browse import PAYLOAD, Served
+from support.fleet import S3_REGION, SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
+
+# Full tier: a private redis-server, workers and `serve`.
+pytestmark = pytest.mark.full
 
 LABELS = {"lineage", "outcome", "provider", "queue", "direction", "le"}
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -51,16 +52,10 @@ def label_values(samples: Samples, label: str) -> set[str]:
     return {v for (_, ls) in samples for k, v in ls if k == label}
 
 
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path / "redis")
-    yield server
-    server.stop()
-
-
 @pytest.mark.bwrap
 @pytest.mark.cgroups
 @pytest.mark.root
+# Over the default 120 s: a fleet of real workers lives generations while it is scraped.
 @pytest.mark.timeout(600)
 def test_metrics_follow_a_running_fleet(
     tmp_path: Path, private_redis: PrivateRedis, s3_endpoint: str
@@ -163,13 +158,9 @@ def assert_bounded(samples: Samples, lineages: set[str], queues: set[str]) -> No
     assert label_values(samples, "direction") <= {"input", "output"}
 
 
-def test_no_organism_text_becomes_a_label(tmp_path: Path) -> None:
-    served = serve_sample_and_hostile(tmp_path)
-    try:
-        text = served.get("/metrics").text
-        samples = scrape(served)
-    finally:
-        served.stop()
+def test_no_organism_text_becomes_a_label(served_sample: Served) -> None:
+    text = served_sample.get("/metrics").text
+    samples = scrape(served_sample)
     assert "<script" not in text and PAYLOAD not in text
     # The imported lineage has no observations and no run: only fleet lineages are measured.
     assert_bounded(samples, {"xss"}, {"ouroboros.control", "gen.eeeeeeeeeeee"})

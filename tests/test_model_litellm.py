@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import yaml
-from lineage_support import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
+from support.fleet import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
 
 from worker.fleet.settings import Settings
 from worker.instrument.model.ledger import FRAMING_TOKENS
@@ -37,6 +37,9 @@ from worker.instrument.model.providers import GenerationContext, ProviderUnavail
 from worker.instrument.model.retry import RetryPolicy
 from worker.instrument.model.server import ModelSocket
 from worker.instrument.physics import Physics
+
+# Full tier: LiteLLM's proxy runs as a process of its own.
+pytestmark = pytest.mark.full
 
 KEY = "sk-litellm-test-0123456789abcdef-SECRET"
 KEY_VARIABLES = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "OPENAI_COMPATIBLE_API_KEY")

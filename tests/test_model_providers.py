@@ -36,7 +36,7 @@ from openai.types.responses import (
 )
 from openai.types.responses.response import IncompleteDetails
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
-from vendor_standin import Received, StandIn, running_stand_in
+from support.vendor import Received, StandIn, running_stand_in
 
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
@@ -286,6 +286,7 @@ def test_vendor_http_error_names_status_and_type_but_neither_key_nor_vendor_pros
     assert failure.value.__cause__ is None and failure.value.__suppress_context__
 
 
+@pytest.mark.full
 def test_refused_connection_is_unavailable_and_cannot_have_billed(
     stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -702,6 +703,7 @@ def test_a_reset_connection_is_worth_another_attempt_and_may_have_billed(
     assert KEY not in str(failure.value)
 
 
+@pytest.mark.full
 def test_a_refused_connection_is_worth_another_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
     provider = make_provider("anthropic", None, settings(anthropic_base_url="http://127.0.0.1:9"))
@@ -961,6 +963,7 @@ def test_scripted_latency_past_the_timeout_is_unavailable() -> None:
         provider.generate("p", 3, 0.2, CONTEXT)
 
 
+@pytest.mark.full
 def test_scripted_body_stays_loadable_emacs_lisp(tmp_path: Path) -> None:
     source = '(defvar organism-seen "a ) paren in a string")\n(setq organism-loaded t)'
     body = tmp_path / "organism.el"

@@ -22,7 +22,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from test_model_server import CONTEXT, PRICES, DoubleProvider, request
+from support.model import CONTEXT, PRICES, DoubleProvider, request
 
 from worker.instrument.model import server as model_socket
 from worker.instrument.model.providers import GenerationContext, Provider, ProviderReply
@@ -422,6 +422,7 @@ def send_bloat(path: Path, head: bytes, into: list[socket.socket]) -> None:
         client.sendall(head)
 
 
+@pytest.mark.full
 def test_a_flood_of_idle_and_header_bloated_connections_costs_few_threads_little_memory_and_no_delay_at_exit(  # noqa: E501
     tmp_path: Path,
 ) -> None:

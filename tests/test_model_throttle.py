@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from lineage_support import MACHINE_REDIS
+from support.fleet import MACHINE_REDIS
 
 from worker.fleet.assembly import model_cap, model_throttle
 from worker.fleet.model_throttle import RedisThrottle
@@ -57,6 +57,7 @@ def soon(seconds: float = 5.0) -> float:
     return time.monotonic() + seconds
 
 
+@pytest.mark.full
 def test_concurrent_calls_beyond_the_cap_wait_until_one_ends(make_throttle: MakeThrottle) -> None:
     cap = Cap(concurrent_calls=2)
     first, second = make_throttle(cap), make_throttle(cap)
@@ -76,6 +77,7 @@ def test_concurrent_calls_beyond_the_cap_wait_until_one_ends(make_throttle: Make
     assert len(waited) == 1 and waited[0] >= 0.5
 
 
+@pytest.mark.full
 def test_requests_are_paced_one_per_minute_over_the_rate_across_workers(
     make_throttle: MakeThrottle,
 ) -> None:
@@ -93,6 +95,7 @@ def test_requests_are_paced_one_per_minute_over_the_rate_across_workers(
     assert all(gap >= 0.9 * WINDOW / 4 for gap in gaps), gaps
 
 
+@pytest.mark.full
 def test_each_request_holds_back_the_next_for_its_tokens_share(
     make_throttle: MakeThrottle,
 ) -> None:
@@ -110,6 +113,7 @@ def test_each_request_holds_back_the_next_for_its_tokens_share(
     assert third - second >= 0.9 * 2 * WINDOW
 
 
+@pytest.mark.full
 def test_each_provider_has_a_cap_of_its_own(make_throttle: MakeThrottle) -> None:
     throttle = make_throttle(Cap(concurrent_calls=1))
 
@@ -120,6 +124,7 @@ def test_each_provider_has_a_cap_of_its_own(make_throttle: MakeThrottle) -> None
         assert other.waited_seconds < 0.5
 
 
+@pytest.mark.full
 def test_no_room_before_the_deadline_raises_without_holding_anything(
     make_throttle: MakeThrottle,
 ) -> None:
@@ -140,6 +145,7 @@ def test_no_room_before_the_deadline_raises_without_holding_anything(
         assert admission.waited_seconds < 0.5
 
 
+@pytest.mark.full
 def test_a_waiter_gives_up_at_once_when_the_life_ends(make_throttle: MakeThrottle) -> None:
     cap = Cap(concurrent_calls=1)
     holder, waiter = make_throttle(cap), make_throttle(cap)
@@ -165,6 +171,7 @@ def test_a_waiter_gives_up_at_once_when_the_life_ends(make_throttle: MakeThrottl
     assert outcome == ["gave up"]
 
 
+@pytest.mark.full
 def test_a_dead_workers_hold_expires_with_its_deadline(prefix: str) -> None:
     cap = Cap(concurrent_calls=1)
     client = redis.Redis.from_url(REDIS_URL)
@@ -178,6 +185,7 @@ def test_a_dead_workers_hold_expires_with_its_deadline(prefix: str) -> None:
         assert 0.5 <= admission.waited_seconds < 3
 
 
+@pytest.mark.full
 def test_unreachable_redis_lets_the_call_through_and_says_so(prefix: str) -> None:
     unreachable = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)
     throttle = RedisThrottle(unreachable, Cap(concurrent_calls=1), prefix=prefix)
@@ -187,6 +195,7 @@ def test_unreachable_redis_lets_the_call_through_and_says_so(prefix: str) -> Non
         assert "could not be reached" in admission.note
 
 
+@pytest.mark.full
 def test_the_idle_cap_leaves_no_key_behind(prefix: str) -> None:
     client = redis.Redis.from_url(REDIS_URL)
     throttle = RedisThrottle(client, Cap(concurrent_calls=1, requests_per_minute=5), prefix=prefix)

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet, seed_file
+from support.fleet import SMALL_PHYSICS, Fleet
+from support.lives import make_lineage, push_hand_commit, run_one
 
 from scheduler.reader import open_reader
 from worker.fleet import embedded_redis
@@ -32,15 +33,6 @@ pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 @pytest.fixture
 def fleet(tmp_path: Path) -> Fleet:
     return Fleet(tmp_path)
-
-
-def make_lineage(fleet: Fleet, name: str, body: str | None = None, *extra: str) -> None:
-    seed = ["--seed", str(seed_file(fleet.home, body, f"{name}.el"))] if body else []
-    fleet.ok("init", name, *seed, *SMALL_PHYSICS, *extra)
-
-
-def run_one(fleet: Fleet, name: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return fleet.ok("run", name, "--generations", "1", "--local", **env)
 
 
 def test_init_commits_canonical_seed_with_pinned_metadata(fleet: Fleet) -> None:
@@ -345,22 +337,6 @@ def test_a_hand_commit_titled_gen_notes_is_no_generation_for_writer_or_readers(
     assert status["generation"] == 2
     summary = open_reader(Settings(home=fleet.home / ".ouroboros")).lineage("noted").summary
     assert (summary.generations, summary.out_of_loop) == (2, 2)  # the seed and the hand commit
-
-
-def push_hand_commit(fleet: Fleet, lineage: str, files: dict[str, str], subject: str) -> None:
-    """Commit ``files`` on top of the lineage branch from outside the fleet."""
-    work = fleet.home / f"hand-{lineage}"
-    if work.exists():
-        shutil.rmtree(work)
-    subprocess.run(
-        ["git", "clone", "-q", "-b", f"lineage-{lineage}", str(fleet.repo), str(work)], check=True
-    )
-    for path, text in files.items():
-        (work / path).write_text(text)
-    git = ["git", "-C", str(work), "-c", "user.name=human", "-c", "user.email=h@example.invalid"]
-    subprocess.run([*git, "add", "-A"], check=True)
-    subprocess.run([*git, "commit", "-qm", subject], check=True)
-    subprocess.run([*git, "push", "-q", "origin", f"lineage-{lineage}"], check=True)
 
 
 def test_result_holding_a_kernel_owned_path_dies_as_decoder_rejection(fleet: Fleet) -> None:

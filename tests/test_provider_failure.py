@@ -20,11 +20,11 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from browse_support import Served, settings_of, write_unavailable_lineage
-from lineage_support import Fleet, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
-from vendor_standin import StandIn, running_stand_in
+from support.browse import Served, settings_of, write_unavailable_lineage
+from support.fleet import Fleet, free_port
+from support.vendor import StandIn, running_stand_in
 
 from scheduler.history import parse_subject
 from scheduler.reader import open_reader
@@ -285,6 +285,7 @@ def test_a_generation_whose_model_never_answered_is_marked_in_every_view(
     assert [row.model_unavailable for row in view.rows if row.commit.generation] == [True]
 
 
+@pytest.mark.full
 def test_the_web_ui_shows_the_mark_beside_the_outcome_and_metrics_count_it(
     tmp_path: Path,
 ) -> None:

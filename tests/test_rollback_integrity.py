@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lineage_support import Fleet
-from test_pipeline import make_lineage, push_hand_commit, run_one
+from support.fleet import Fleet
+from support.lives import make_lineage, push_hand_commit, run_one
 
 from worker.instrument.gitrepo import PAGE_BYTES, Entry, LineageCache, footprint
 from worker.instrument.journal import DEATH_SUBJECT

@@ -15,13 +15,15 @@ import socket
 import subprocess
 import tarfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from test_ceilings import (  # noqa: F401  (fixtures, used by name)
+from support.sandbox import (  # noqa: F401  (fixtures, used by name)
+    JOURNAL,
+    SMALL,
+    kernel_dir,
     label_fixture,
     logged_calls,
     standins_fixture,
@@ -32,38 +34,15 @@ from worker.instrument.ceilings import Ceiling, Figures, select_ceiling
 from worker.instrument.ceilings.cgroup1 import Cgroup1Ceiling, Cgroup1Enclosure
 from worker.instrument.ceilings.systemd import SystemdCeiling
 from worker.instrument.errors import Refusal
-from worker.instrument.identity import IdentityPool, SandboxIdentity
 from worker.instrument.physics import Physics
 from worker.instrument.sandbox import (
     SandboxResult,
     bwrap_argv,
-    kernel_directory,
     resolve_emacs,
     run_sandbox,
 )
 
-STAGE = Path(__file__).resolve().parent.parent / "sandbox_scripts" / "stage.sh"
 SECRET = "sk-ouroboros-test-secret-never-inside"
-JOURNAL = b"# journal\n\n## gen 1 \xe2\x80\x94 no-change\n"
-SMALL = Physics(
-    wall_seconds=30,
-    cpu_seconds=30,
-    memory_max_bytes="256M",
-    work_bytes="4M",
-    work_files=64,
-    tmp_bytes="4M",
-    run_bytes="1M",
-)
-# Shared by the organisms below: (report NAME TEXT) writes /work/NAME; (shell SCRIPT) runs
-# SCRIPT with /bin/sh inside the sandbox and returns its output.
-PRELUDE = """
-(defun report (name text)
-  (with-temp-file (concat "/work/" name) (insert text)))
-(defun shell (script)
-  (with-temp-buffer
-    (call-process "/bin/sh" nil t nil "-c" script)
-    (buffer-string)))
-"""
 
 
 def real_life(test: Callable[..., None]) -> Callable[..., None]:
@@ -79,37 +58,6 @@ def emacs() -> Path:
 @pytest.fixture(scope="module")
 def cgroup1() -> Ceiling:
     return select_ceiling("cgroup1")
-
-
-IDENTITIES = IdentityPool(Settings().sandbox_uid_base, Settings().sandbox_uid_count)
-
-
-def kernel_files(organism: str) -> dict[str, bytes]:
-    """The files of a kernel directory as the pipeline prepares it, with ``organism``."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        data = (PRELUDE + organism).encode()
-        info = tarfile.TarInfo("organism.el")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return {
-        "base.tar": buffer.getvalue(),
-        "journal.md": JOURNAL,
-        "lineage.json": b"{}\n",
-        "capabilities.json": b"{}\n",
-        "stage.sh": STAGE.read_bytes(),
-    }
-
-
-@contextmanager
-def kernel_dir(organism: str) -> Iterator[tuple[Path, SandboxIdentity]]:
-    """A kernel directory holding ``organism``, and the identity whose life it is (its own
-    unprivileged uid, since the tests run as root)."""
-    with (
-        IDENTITIES.hold() as identity,
-        kernel_directory(kernel_files(organism), identity) as kernel,
-    ):
-        yield kernel, identity
 
 
 def live(

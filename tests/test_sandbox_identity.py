@@ -29,8 +29,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from test_ceilings import label_fixture  # noqa: F401  (a fixture, used by name)
-from test_sandbox import SMALL, kernel_dir, kernel_files
+from support.sandbox import (  # noqa: F401  (fixtures, used by name)
+    SMALL,
+    WALLS,
+    elisp,
+    kernel_dir,
+    kernel_files,
+    label_fixture,
+)
 
 from worker.fleet.settings import Settings
 from worker.instrument.ceilings import select_ceiling
@@ -62,11 +68,6 @@ class Life(NamedTuple):
 
 
 Worker = Callable[[str], Life]
-
-
-def elisp(text: str) -> str:
-    """``text`` as an Emacs Lisp string literal."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def sh(script: str) -> str:
@@ -170,7 +171,7 @@ def _runtime(root: Path) -> Path:
             shutil.copytree(source, root / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, root / name)
-    shutil.copy2(Path(__file__).with_name("unprivileged_worker.py"), root)
+    shutil.copy2(Path(__file__).parent / "support" / "unprivileged_worker.py", root)
     for path in (root, *root.rglob("*")):
         path.chmod(0o755 if path.is_dir() else 0o644)
     return root
@@ -277,24 +278,6 @@ def test_the_identity_drop_clears_groups_and_capabilities() -> None:
 
 
 # --- kernel interfaces ----------------------------------------------------------------------
-
-WALLS = r"""
-echo sys-writable $(find /proc/sys -type f -writable 2>/dev/null | wc -l)
-test -w /proc/sys/kernel/core_pattern && echo core-pattern-writable
-for p in keys cmdline timer_list sched_debug kcore latency_stats timer_stats; do
-  [ -e /proc/$p ] && echo masked-$p $(cat /proc/$p 2>/dev/null | wc -c)
-done
-[ -d /proc/acpi ] && echo masked-acpi $(ls -A /proc/acpi | wc -l)
-for p in / /usr /kernel /dev /dev/shm /dev/pts /proc/sys /proc/sys/kernel /proc/irq /proc/bus \
-         /proc/fs /proc/sysrq-trigger /work /tmp /run; do
-  test -w $p && echo writable $p
-done
-touch /dev/shm/x 2>/dev/null && echo wrote-dev-shm
-touch /dev/planted 2>/dev/null && echo wrote-dev
-touch /dev/pts/planted 2>/dev/null && echo wrote-dev-pts
-mkdir /dev/shm/d 2>/dev/null && echo made-dir-in-dev-shm
-echo hi >/dev/null && echo dev-null-works
-"""
 
 
 def test_kernel_knobs_are_read_only_and_host_files_masked(worker: Worker) -> None:

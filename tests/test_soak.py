@@ -20,6 +20,7 @@ pytestmark = [
     pytest.mark.bwrap,
     pytest.mark.cgroups,
     pytest.mark.root,
+    # A chaos soak of a private fleet: minutes of lives, kills and restarts by design.
     pytest.mark.timeout(1800),
 ]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from lineage_support import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
+from support.fleet import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet
 
 from worker.fleet.assembly import build_pipeline
 from worker.fleet.settings import Settings
@@ -93,7 +93,7 @@ def test_the_temp_file_of_a_save_killed_mid_write_is_swept_by_the_next_drain(
 def test_a_checkpoint_whose_push_lost_the_race_is_discarded_not_published(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from test_pipeline import push_hand_commit
+    from support.lives import push_hand_commit
 
     fleet = crash_before_the_push(tmp_path, monkeypatch, "loser")
     push_hand_commit(fleet, "loser", {"notes.txt": "meanwhile\n"}, "external edit: meanwhile")

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lineage_support import SMALL_PHYSICS, Fleet
+import pytest
+from support.fleet import SMALL_PHYSICS, Fleet
 
 from scheduler.status import Fleet as FleetHandle
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
+
+# Full tier: the CLI as a process.
+pytestmark = pytest.mark.full
 
 
 def test_status_without_a_running_run_sends_no_broadcast(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from lineage_support import BYTECODE_CACHE
+from support.fleet import BYTECODE_CACHE
 
 from scheduler.cli import COMMANDS, LazyGroup, cli
 
@@ -94,6 +94,7 @@ result = {{"code": code, "output": out.getvalue()}}
 """
 
 
+@pytest.mark.full
 def test_the_probe_sees_an_import_of_running_machinery(tmp_path: Path) -> None:
     # The control: were a reader to import the Celery task module, the probes would say so.
     result = probe(tmp_path, "import worker.fleet.tasks\nresult = {}\n")
@@ -101,6 +102,7 @@ def test_the_probe_sees_an_import_of_running_machinery(tmp_path: Path) -> None:
     assert "worker.instrument.pipeline" in loaded(result["modules"], RUNNING_MACHINERY)
 
 
+@pytest.mark.full
 def test_the_web_app_loads_no_running_machinery(tmp_path: Path) -> None:
     result = probe(
         tmp_path,
@@ -130,6 +132,7 @@ def test_the_web_app_loads_no_running_machinery(tmp_path: Path) -> None:
     [["--help"], ["journal", "--help"], ["observations", "--help"], ["status", "--help"]],
     ids=" ".join,
 )
+@pytest.mark.full
 def test_read_commands_load_no_running_machinery(tmp_path: Path, argv: list[str]) -> None:
     result = probe(tmp_path, CLI_PROBE.format(argv=argv))
     assert result["code"] == 0, result["output"]
@@ -137,6 +140,7 @@ def test_read_commands_load_no_running_machinery(tmp_path: Path, argv: list[str]
     assert loaded(result["modules"], RUNNING_MACHINERY) == []
 
 
+@pytest.mark.full
 def test_listing_the_commands_loads_no_store_broker_or_web_stack(tmp_path: Path) -> None:
     result = probe(tmp_path, CLI_PROBE.format(argv=["--help"]))
     assert result["code"] == 0
@@ -149,6 +153,7 @@ def test_listing_the_commands_loads_no_store_broker_or_web_stack(tmp_path: Path)
     assert loaded(result["modules"], ("scheduler.cli",)) == ["scheduler.cli"]
 
 
+@pytest.mark.full
 def test_a_command_module_is_loaded_when_its_command_is(tmp_path: Path) -> None:
     result = probe(tmp_path, CLI_PROBE.format(argv=["journal", "--help"]))
     assert "--json" in result["output"]
@@ -160,6 +165,7 @@ def test_a_command_module_is_loaded_when_its_command_is(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["module", "script"])
+@pytest.mark.full
 def test_version(how: str) -> None:
     from worker.instrument.fingerprint import package_version
 

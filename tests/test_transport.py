@@ -14,7 +14,7 @@ import pytest
 import redis
 from kombu import Connection, Producer
 from kombu.exceptions import OperationalError
-from lineage_support import free_port, task_envelope
+from support.fleet import free_port, task_envelope
 
 from worker.fleet.app import GENERATION_TASK, RECONCILE_TASK, client_app, sender
 from worker.fleet.settings import Settings

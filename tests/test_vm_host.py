@@ -72,14 +72,13 @@ from typing import Any, NamedTuple
 
 import pytest
 import redis
-from lineage_support import Worker, seed_file, wait_for
-from test_fleet import SLOW, WRITES_STATE, background
-from test_sandbox import PRELUDE
-from test_sandbox_identity import WALLS, elisp
-from vm_container import CGROUP, ContainerHost
-from vm_container import NAME as CONTAINER_NAME
-from vm_fleet import LEASE_SECONDS, ControlHost, Landed, join, landed
-from vm_guest import (
+from support.fleet import Worker, seed_file, wait_for
+from support.lives import SLOW, WRITES_STATE, background
+from support.sandbox import PRELUDE, WALLS, elisp
+from support.vm_container import CGROUP, ContainerHost
+from support.vm_container import NAME as CONTAINER_NAME
+from support.vm_fleet import LEASE_SECONDS, ControlHost, Landed, join, landed
+from support.vm_guest import (
     HOST_ALIAS,
     WORKER_UNIT,
     Guest,

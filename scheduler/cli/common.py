@@ -9,7 +9,7 @@ command module.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-class Money(click.ParamType):
+# ParamType is generic in the newest click only; subscripting it would break the older
+# ones pyproject.toml allows.
+class Money(click.ParamType):  # type: ignore[type-arg]
     """A finite, non-negative amount of US dollars, as a Decimal."""
 
     name = "usd"
@@ -54,7 +56,7 @@ def load_settings() -> Settings:
         raise Refusal(f"{field}: {first['msg']}") from None
 
 
-def emit(rows: list[BaseModel], as_json: bool, table: Callable[[], Table]) -> None:
+def emit(rows: Sequence[BaseModel], as_json: bool, table: Callable[[], Table]) -> None:
     """``rows`` as JSON, or the table ``table()`` builds from them."""
     if as_json:
         click.echo(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))

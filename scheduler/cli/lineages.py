@@ -206,12 +206,13 @@ def run(
     require_known(provider)
     fleet = Fleet(settings)
     planner = fleet.planner
-    heads = {}
+    heads: dict[str, str] = {}
     for name in names:
         check_name(name)
-        heads[name] = planner.cache.fetch(name)
-        if heads[name] is None:
+        head = planner.cache.fetch(name)
+        if head is None:
             raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
+        heads[name] = head
     metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
     for meta in metas.values():
         planner.require_deliverable(meta)

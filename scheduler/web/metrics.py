@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from decimal import Decimal
 from typing import get_args
@@ -119,7 +119,7 @@ class Tally:
         self.seen: set[tuple[str, int]] = set()
         self.calls: Counter[str] = Counter()
         self.tokens: Counter[tuple[str, str]] = Counter()
-        self.cost: Counter[str] = Counter()
+        self.cost: defaultdict[str, float] = defaultdict(float)
         self.duration = Buckets(DURATION_BUCKETS)
         self.queue_wait = Buckets(DURATION_BUCKETS)
 
@@ -235,7 +235,7 @@ class FleetCollector(Collector):
         fleet_unavailable = 0
         for lineage in lineages:
             entries = indexed[lineage.name]
-            outcomes = Counter(e.outcome for e in entries)
+            outcomes = Counter[str](e.outcome for e in entries)
             for outcome in OUTCOMES:
                 by_outcome.add_metric([lineage.name, outcome], outcomes[outcome])
             fleet.update(outcomes)
@@ -462,7 +462,9 @@ class FleetCollector(Collector):
             channel = connection.default_channel
             for queue in queues:
                 try:
-                    count = channel.queue_declare(queue=queue, passive=True).message_count
+                    # kombu's channels declare queues; the stubs' StdChannel lacks the method.
+                    declared = channel.queue_declare(queue=queue, passive=True)  # type: ignore[attr-defined]
+                    count = declared.message_count
                 except ChannelError:  # the transport deletes a queue's list once it is empty
                     count = 0
                 depth.add_metric([queue], count)

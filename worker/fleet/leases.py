@@ -41,11 +41,12 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.typing import EncodableT
 
 from worker.fleet.settings import Settings
 from worker.instrument.names import LINEAGE_NAME_PATTERN
@@ -110,7 +111,7 @@ def _repairing(
     keys: Sequence[str | bytes],
     command: Callable[[], _T],
     script: str,
-    *args: object,
+    *args: EncodableT,
 ) -> _T:
     """``command`` (which touches only ``keys``); if it met a key of the wrong type,
     ``script`` (on ``keys`` and ``args``, doing what ``command`` does) instead, in one
@@ -137,15 +138,19 @@ def _repairing(
         if (key.encode() if isinstance(key, str) else key) in removed:
             # Its name is anyone's: never logged raw.
             log.warning("removed a key of a type the fleet never writes: %r", key)
-    return reply[1] if len(reply) > 1 else None  # type: ignore[no-any-return]
+    # The script's reply stands for command()'s: Redis drops a trailing nil from the table.
+    return cast(_T, reply[1] if len(reply) > 1 else None)
 
 
 def _get(client: redis.Redis, key: str | bytes) -> bytes | None:
     """The string at ``key``; None if there is none (a key of another type is removed)."""
-    return _repairing(client, [key], lambda: client.get(key), _GET)
+    # The fleet's clients never decode responses: a string comes back as bytes.
+    return cast("bytes | None", _repairing(client, [key], lambda: client.get(key), _GET))
 
 
-def _eval(client: redis.Redis, script: str, keys: Sequence[str | bytes], *args: object) -> object:
+def _eval(
+    client: redis.Redis, script: str, keys: Sequence[str | bytes], *args: EncodableT
+) -> object:
     """``script`` on ``keys``, repaired and run again if one of them is of the wrong type."""
     return _repairing(
         client, keys, lambda: client.eval(script, len(keys), *keys, *args), script, *args

@@ -123,9 +123,10 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         return planner_on(child_client())
 
     @app.task(name=GENERATION_TASK, bind=True)
-    def generation(self: Task, payload: object = None) -> str:
+    def generation(self: Task[..., str], payload: object = None) -> str:
         """Run one generation; then plan the lineage's next one."""
         request = self.request
+        assert request.id is not None, "a delivered task always has its id"
         job = _job(payload, request.id)
         if job is None:
             return "rejected"

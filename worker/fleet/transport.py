@@ -151,13 +151,13 @@ class ClosingQoS(kombu_redis.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         if self._gone(f"acknowledge message {delivery_tag}"):
-            self._quick_ack(delivery_tag)
+            self._quick_ack(delivery_tag)  # type: ignore[attr-defined]  # kombu's private API: not in the stubs
             return
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if self._gone(f"reject message {delivery_tag}"):
-            self._quick_ack(delivery_tag)
+            self._quick_ack(delivery_tag)  # type: ignore[attr-defined]  # kombu's private API: not in the stubs
             return
         if not requeue:
             super().reject(delivery_tag)
@@ -184,7 +184,7 @@ class ScreeningChannel(kombu_redis.Channel):
     @cached_property
     def client(self) -> Any:
         """kombu's BRPOP client, with a response callback that screens what it pops."""
-        client = self._create_client(asynchronous=True)
+        client = self._create_client(asynchronous=True)  # type: ignore[attr-defined]  # kombu's private API: not in the stubs
         client.set_response_callback("BRPOP", self._screened_brpop)
         return client
 
@@ -205,19 +205,20 @@ class ScreeningChannel(kombu_redis.Channel):
             return None
         return key, raw
 
+    # kombu's private hook for broadcasts (not in the stubs), screened like a queue's pop.
     def _deliver_fanout_message(self, message: Any, exchange: str) -> bool:
         why = envelope_problem(message, tasks=None)
         if why is not None:
             log.error("dropped a broadcast on exchange %s: %s", exchange, why)
             return False
-        return bool(super()._deliver_fanout_message(message, exchange))
+        return bool(super()._deliver_fanout_message(message, exchange))  # type: ignore[misc]
 
 
 class ScreeningTransport(kombu_redis.Transport):
     Channel = ScreeningChannel
 
 
-class ScreeningConnection(Connection):  # type: ignore[misc]
+class ScreeningConnection(Connection):
     """A kombu connection whose Redis transport (any URL spelling of it) screens messages,
     and which reconnects promptly after a broker restart.
 
@@ -231,7 +232,8 @@ class ScreeningConnection(Connection):  # type: ignore[misc]
         cls: type = super().get_transport_cls()
         return ScreeningTransport if cls is kombu_redis.Transport else cls
 
-    def ensure_connection(
+    # The stubs type the intervals as int; kombu takes (and documents) seconds as floats.
+    def ensure_connection(  # type: ignore[override]
         self,
         errback: Callable[..., Any] | None = None,
         max_retries: int | None = None,
@@ -241,11 +243,16 @@ class ScreeningConnection(Connection):  # type: ignore[misc]
         **kwargs: Any,
     ) -> Connection:
         return super().ensure_connection(
-            errback, max_retries, interval_start, interval_step, interval_max, **kwargs
+            errback,
+            max_retries,  # type: ignore[arg-type]
+            interval_start,  # type: ignore[arg-type]
+            interval_step,  # type: ignore[arg-type]
+            interval_max,  # type: ignore[arg-type]
+            **kwargs,
         )
 
 
 class ScreeningAMQP(AMQP):
     """Celery's AMQP layer on ``ScreeningConnection``; pass as ``Celery(amqp=...)``."""
 
-    Connection: Callable[..., Connection] = ScreeningConnection
+    Connection: type[Connection] = ScreeningConnection

@@ -44,7 +44,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import pygit2
 from pygit2.enums import ObjectType, Option
@@ -385,11 +385,12 @@ def copy_objects(source: pygit2.Repository, target: pygit2.Repository, tip: str)
         stack.append((oid, True))
         kind, _ = source.odb.read_header(oid)
         if kind == ObjectType.COMMIT:
-            commit = source[oid]
+            commit = source[oid].peel(pygit2.Commit)
             stack.extend((parent, False) for parent in commit.parent_ids)
             stack.append((commit.tree_id, False))
         elif kind == ObjectType.TREE:
-            stack.extend((e.id, False) for e in source[oid] if e.filemode != _GITLINK_MODE)
+            tree = source[oid].peel(pygit2.Tree)
+            stack.extend((e.id, False) for e in tree if e.filemode != _GITLINK_MODE)
     for oid in order:
         target.odb.write(*source.odb.read(oid))
     return len(order)
@@ -546,9 +547,10 @@ class LineageCache:
         while pending:
             prefix, tree = pending.pop()
             for item in tree:
-                path = prefix + item.name
+                # A tree's entries always have a name (the stubs allow None for any object).
+                path = prefix + cast(str, item.name)
                 if item.filemode == _TREE_MODE:
-                    pending.append((path + "/", self.repo[item.id]))
+                    pending.append((path + "/", self.repo[item.id].peel(pygit2.Tree)))
                 else:
                     entries[path] = Entry(_mode(item.filemode), str(item.id))
         return entries
@@ -578,7 +580,9 @@ class LineageCache:
         current: pygit2.Commit | None = self._commit_of(commit)
         while current is not None:
             yield current
-            current = self.repo[current.parent_ids[0]] if current.parent_ids else None
+            current = (
+                self.repo[current.parent_ids[0]].peel(pygit2.Commit) if current.parent_ids else None
+            )
 
     def root_of(self, commit: str) -> str:
         """The root commit ``commit`` descends from by first parents: the lineage's seed."""
@@ -676,8 +680,8 @@ class LineageCache:
     def numstat(self, old_sha: str | None, new_sha: str | None) -> tuple[int, int]:
         """Lines added and deleted between two blobs (a missing side is empty; a binary
         blob counts no lines, as ``git diff --numstat`` has it)."""
-        old = self.repo[old_sha] if old_sha else None
-        new = self.repo[new_sha] if new_sha else None
+        old = self.repo[old_sha].peel(pygit2.Blob) if old_sha else None
+        new = self.repo[new_sha].peel(pygit2.Blob) if new_sha else None
         patch = pygit2.Patch.create_from(old, new)
         if patch.delta.is_binary:
             return 0, 0
@@ -714,8 +718,8 @@ class LineageCache:
             return objects.odb.write(ObjectType.TREE, _tree_object(items))
 
         # A folder is listed after the one holding it, so reversed order is children first.
-        for holder, folder, name in reversed(folders):
-            holder[name] = write(folder)
+        for holder, subtree, folder_name in reversed(folders):
+            holder[folder_name] = write(subtree)
         signature = pygit2.Signature(IDENTITY["GIT_AUTHOR_NAME"], IDENTITY["GIT_AUTHOR_EMAIL"])
         parents = [pygit2.Oid(hex=parent)] if parent else []
         made = objects.create_commit(

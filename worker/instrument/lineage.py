@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,7 +40,7 @@ from worker.instrument.names import (
 from worker.instrument.physics import Physics
 from worker.instrument.store import ObservationStore
 
-SCHEMA = "ouroboros-fleet-lineage/v1"
+SCHEMA: Final = "ouroboros-fleet-lineage/v1"
 NAME_PATTERN = re.compile(LINEAGE_NAME_PATTERN)
 
 

@@ -109,7 +109,7 @@ class S3Store(ObservationStore):
 
     def _list(self, prefix: str) -> list[str]:
         cut = len(self._full_key(""))
-        keys = []
+        keys: list[str] = []
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._full_key(prefix)

@@ -35,7 +35,7 @@ from worker.instrument.ceilings import Ceiling, Figures
 from worker.instrument.errors import Refusal
 from worker.instrument.identity import SandboxIdentity
 from worker.instrument.physics import Physics
-from worker.instrument.records import STDERR_CAP_BYTES
+from worker.instrument.records import STDERR_CAP_BYTES, Outcome
 
 SANDBOX_PATH = "/usr/bin:/bin"
 # bwrap's own environment is readable inside the sandbox as /proc/1/environ.
@@ -84,7 +84,7 @@ class SandboxResult(BaseModel):
     figures: Figures
     duration_seconds: float
 
-    def death(self) -> str | None:
+    def death(self) -> Outcome | None:
         """None for a life that ended well, else the outcome name of its death."""
         result = self.figures.result
         # The worker's own verdicts first: it ended these lives, whatever they were doing.
@@ -358,7 +358,9 @@ class _Capture:
 
     def _read(self) -> None:
         with self._stream:
-            while chunk := self._stream.read1(_CHUNK_BYTES):
+            # Popen's pipes are buffered readers (read1 returns what is there); typeshed
+            # types them IO[bytes], which has no read1.
+            while chunk := self._stream.read1(_CHUNK_BYTES):  # type: ignore[attr-defined]
                 self.total += len(chunk)
                 self.head += chunk[: max(0, self._keep - len(self.head))]
                 if len(chunk) >= STDERR_TAIL_BYTES:

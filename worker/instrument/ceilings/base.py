@@ -178,11 +178,11 @@ def own_cgroup_dirs(
         for controller in controllers.split(",") if controllers else [""]:
             if controller not in mounts:
                 continue
-            root, point = mounts[controller]
-            relative = os.path.relpath(path, root)
+            mount_root, mount_point = mounts[controller]
+            relative = os.path.relpath(path, mount_root)
             if relative == ".." or relative.startswith("../"):
                 continue
-            found[controller] = Path(os.path.normpath(point / relative))
+            found[controller] = Path(os.path.normpath(mount_point / relative))
     return found
 
 

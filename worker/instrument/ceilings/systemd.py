@@ -53,7 +53,7 @@ from worker.instrument.physics import Physics
 
 # The oldest manager this driver supports (Debian 12, RHEL 9): it needs neither
 # --expand-environment (254) nor the MemoryPeak/OOMKills properties (255+). So far it
-# has run against the stand-ins in tests/standins/ only, not a booted manager.
+# has run against the stand-ins in tests/support/standins/ only, not a booted manager.
 MIN_VERSION = 252
 SHOWN = ("Result", "CPUUsageNSec", "MemoryPeak", "OOMKills")
 _QUERY_TIMEOUT_SECONDS = 30

@@ -50,7 +50,7 @@ class RetryPolicy:
         if retry_after is not None:
             return retry_after
         ceiling = min(
-            self.max_backoff_seconds, self.first_backoff_seconds * 2 ** (failed_attempt - 1)
+            self.max_backoff_seconds, self.first_backoff_seconds * 2.0 ** (failed_attempt - 1)
         )
         return ceiling * (0.5 + rng.random() / 2)
 

@@ -19,8 +19,8 @@ import json
 import shlex
 from pathlib import Path
 
-from lineage_support import wait_for
-from vm_guest import CLI_BATCH, Host
+from support.fleet import wait_for
+from support.vm_guest import CLI_BATCH, Host
 
 NAME = "vm-container"
 RUNTIME = "/usr/local/sbin/vm-container"

@@ -36,9 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-from lineage_support import INSTRUMENT_COMMIT, free_port, wait_for
+from support.fleet import INSTRUMENT_COMMIT, free_port, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The address the guest dials to reach a forwarded host port.
 HOST_ALIAS = "10.0.2.100"
 MEMORY_MIB = 2048

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import boto3
-from lineage_support import Fleet, PrivateRedis, free_port, terminate, wait_for
-from vm_guest import HOST_ALIAS, Host
 
+from support.fleet import Fleet, PrivateRedis, free_port, terminate, wait_for
+from support.vm_guest import HOST_ALIAS, Host
 from worker.instrument.keys import generation_key
 
 S3_REGION = "us-east-1"

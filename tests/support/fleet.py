@@ -1,7 +1,7 @@
 """The fleet harness: an isolated fleet home driven as a user drives it, for tests and benches.
 
-One copy serves both the tests (``from lineage_support import ...``) and the
-benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
+One copy serves both the tests (``from support.fleet import ...``) and the
+benchmarks (``bench/common.py`` puts ``tests/`` on ``sys.path``):
 
 * ``Fleet``: a private ``HOME`` and ``OUROBOROS_HOME`` (shared bare repository, file
   observation store, state), ``OUROBOROS_INSTRUMENT_COMMIT`` fixed, the ``scripted``
@@ -19,6 +19,7 @@ benchmarks (``bench/common.py`` puts this directory on ``sys.path``):
 * ``MACHINE_REDIS``: the machine's Redis the tests share (``OUROBOROS_TEST_REDIS``,
   default ``redis://127.0.0.1:6379``), so two test sessions on one machine can each
   point at a redis-server of their own instead of flushing each other's databases.
+* ``Follower``: ``schedule-lineage ARGS`` in the background, its output read line by line.
 * ``helper_name``: what ``Fleet.traced`` reports a spawned process as.
 * ``BYTECODE_CACHE``: one private bytecode cache for every fleet process of this
   test session or benchmark, the importing process and its children included (it
@@ -458,6 +459,10 @@ class Switch:
                 end.shutdown(socket.SHUT_RDWR)
 
 
+# The region every test bucket on the moto server is made in.
+S3_REGION = "us-east-1"
+
+
 class MotoServer:
     """moto's standalone S3 server on a free 127.0.0.1 port, logging to ``log_path``."""
 
@@ -484,3 +489,37 @@ class MotoServer:
 
     def stop(self) -> None:
         terminate(self.process)
+
+
+class Follower:
+    """``schedule-lineage ARGS`` in the background, its output read line by line as it comes."""
+
+    def __init__(self, fleet: Fleet, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", *args],
+            env={**fleet.env, "COLUMNS": "400"},
+            cwd=fleet.home,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def said(self, text: str, timeout: float) -> str:
+        return wait_for(
+            lambda: next((line for line in self.lines if text in line), None),
+            timeout,
+            f"{text!r} in the output; so far:\n" + "\n".join(self.lines),
+        )
+
+    def finish(self, timeout: float) -> int:
+        code = self.process.wait(timeout)
+        self.reader.join(10)
+        return code

@@ -19,19 +19,14 @@ from typing import Any
 
 import pytest
 import redis
-from lineage_support import PrivateRedis
-from test_fleet_rules import Rig, _dead_holder
-from test_hostile_recovery import planner_rig
+from support.fleet import PrivateRedis
+from support.rig import Rig, dead_holder, planner_rig
 
 from scheduler.status import Fleet as Scheduler
 from worker.fleet import leases
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedis]:
-    private = PrivateRedis(tmp_path_factory.mktemp("session21-redis"))
-    yield private
-    private.stop()
+# Full tier: a private redis-server.
+pytestmark = pytest.mark.full
 
 
 class Contested(redis.Redis):
@@ -51,8 +46,8 @@ class Contested(redis.Redis):
 
 
 @pytest.fixture
-def attacker(server: PrivateRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(server.url)
+def attacker(private_redis: PrivateRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(private_redis.url)
     client.flushdb()
     yield client
     client.flushdb()
@@ -60,16 +55,16 @@ def attacker(server: PrivateRedis) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def contested(server: PrivateRedis, attacker: redis.Redis) -> Iterator[Contested]:
-    client = Contested.from_url(server.url)
+def contested(private_redis: PrivateRedis, attacker: redis.Redis) -> Iterator[Contested]:
+    client = Contested.from_url(private_redis.url)
     client.keys, client.attacker = [], attacker
     yield client
     client.close()
 
 
 @pytest.fixture
-def rig(tmp_path: Path, server: PrivateRedis, contested: Contested) -> Rig:
-    return planner_rig(tmp_path, server, contested)
+def rig(tmp_path: Path, private_redis: PrivateRedis, contested: Contested) -> Rig:
+    return planner_rig(tmp_path, private_redis, contested)
 
 
 LINEAGE = "contested"
@@ -127,7 +122,7 @@ def test_a_contested_holder_record_does_not_stop_the_sweep_of_other_lineages(
 ) -> None:
     # release_dead_holders raised at the contested record: a dead holder's job of any
     # lineage scanned after it stayed held until its marker and lease expired.
-    dead = _dead_holder()
+    dead = dead_holder()
     lineages = [f"swept-{i}" for i in range(20)]
     for lineage in lineages:
         contested.set(leases.inflight_key(lineage), "job1", ex=600)

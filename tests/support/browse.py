@@ -21,9 +21,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import httpx
-from legacy_lineage import write_legacy_bundle
-from lineage_support import Fleet, free_port
 
+from support.fleet import Fleet, free_port
+from support.legacy_lineage import write_legacy_bundle
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.settings import Settings
 from worker.instrument import journal
