@@ -14,6 +14,7 @@ Trusts: the shared repository, the observation store, the broker.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from decimal import Decimal
 from functools import cached_property
@@ -29,12 +30,15 @@ from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
+from worker.instrument.gitrepo import GitError
 from worker.instrument.job import GenerationJob
 from worker.instrument.lineage import LineageMetadata, root_metadata
 from worker.instrument.records import DEATHS
 
 if TYPE_CHECKING:
     from celery import Celery
+
+log = logging.getLogger(__name__)
 
 
 class LineageStatus(BaseModel):
@@ -173,12 +177,21 @@ class Fleet:
     @cached_property
     def metadata(self) -> dict[str, LineageMetadata | None]:
         """Every lineage's root metadata, read once per command, for genealogy."""
-        cache = self.planner.cache
-        return {
-            name: self._metadata(name, head)
-            for name in self.planner.lineages()
-            if (head := cache.fetch(name)) is not None
-        }
+        return {name: self._metadata(name, head) for name, head in self.heads.items()}
+
+    @cached_property
+    def heads(self) -> dict[str, str]:
+        """Every lineage's head; one whose branch cannot be read is left out with a warning."""
+        heads = {}
+        for name in self.planner.lineages():
+            try:
+                head = self.planner.cache.fetch(name)
+            except GitError as exc:
+                log.warning("ignoring lineage %s: %s", name, exc)
+                continue
+            if head is not None:
+                heads[name] = head
+        return heads
 
     def _metadata(self, lineage: str, head: str) -> LineageMetadata | None:
         try:
@@ -193,7 +206,7 @@ class Fleet:
         its whole timeout) only when some lineage has a run still wanting generations:
         for any other, no worker could be missing.
         """
-        rows = [self.status(name) for name in (names or self.planner.lineages())]
+        rows = [self.status(name) for name in (names or self.heads)]
         if not any(_wants_more(row) for row in rows):
             return rows
         workers = self.workers()

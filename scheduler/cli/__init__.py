@@ -17,6 +17,7 @@ no command module imports another.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
@@ -224,7 +225,17 @@ def _unanswered(exc: BaseException) -> bool:
     return isinstance(exc, tuple(kinds))
 
 
+class _Warnings(logging.Handler):
+    """A logged warning (a foreign ref skipped, a repository to harden) as one line on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from scheduler.output import warn
+
+        warn(record.levelname.lower(), record.getMessage())
+
+
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, handlers=[_Warnings()])
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
