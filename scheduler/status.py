@@ -72,9 +72,14 @@ class LineageStatus(BaseModel):
 class Fleet:
     """The scheduler's handle on the broker, the repository and the store."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, start_broker: bool = True) -> None:
+        """``start_broker=False`` (a command that only reads): an embedded Redis that is
+        not running stays stopped, and is reported as what it means, nothing in flight,
+        nothing blocked and no live worker (a worker keeps it running)."""
         self.settings = settings
-        embedded_redis.ensure(settings)
+        if start_broker:
+            embedded_redis.ensure(settings)
+        self.broker_up = bool(settings.broker_url) or embedded_redis.running(settings)
 
     @cached_property
     def app(self) -> Celery:
@@ -106,6 +111,8 @@ class Fleet:
 
         With ``until_served``, the answer comes as soon as all those queues are served.
         """
+        if not self.broker_up:
+            return Workers(reachable=True, workers=[])
         return ask(self.app, until_served=until_served)
 
     def waiting(self, meta: LineageMetadata, workers: Workers) -> str | None:
@@ -134,7 +141,7 @@ class Fleet:
         # The index just read serves the run's progress too: one read per lineage.
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
-        in_flight = leases.in_flight(planner.client, lineage)
+        in_flight = leases.in_flight(planner.client, lineage) if self.broker_up else None
         row = LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -150,7 +157,7 @@ class Fleet:
             # Only fleet lineages are observed; an imported one owes no observations.
             observation_backlog=max(0, generation - len(index)) if queue else 0,
             stopped=progress.stopped if progress else None,
-            blocked=leases.blocked(planner.client, lineage),
+            blocked=leases.blocked(planner.client, lineage) if self.broker_up else None,
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
             workers=None,

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lineage_support import SMALL_PHYSICS, Fleet
+import redis
+from lineage_support import SMALL_PHYSICS, Fleet, wait_for
 
 
 def refs(fleet: Fleet) -> list[str]:
@@ -82,3 +83,92 @@ def test_status_and_every_view_skip_a_foreign_broken_ref_with_a_warning(tmp_path
     journal = fleet.ok("journal", "good")
     assert "seed" in journal.stdout and "refs/heads/lineage-missing" in journal.stderr
     fleet.ok("observations", "good")
+
+
+def redis_pid(fleet: Fleet) -> int | None:
+    """The pid of the home's embedded redis-server while it runs, else None."""
+    pid_file = fleet.home / ".ouroboros" / "redis" / "redis.pid"
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        pid = int(pid_file.read_text())
+        if Path(f"/proc/{pid}").exists():
+            return pid
+    return None
+
+
+def idle_watches(fleet: Fleet) -> list[int]:
+    """The pids of the idle watches of this home's embedded Redis."""
+    socket_path = str(fleet.home / ".ouroboros" / "redis" / "redis.sock")
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"worker.fleet.embedded_redis" in argv and socket_path.encode() in argv:
+                found.append(int(proc.name))
+    return found
+
+
+def embedded_keys(fleet: Fleet) -> set[bytes]:
+    """Every key of the running embedded Redis, over a connection closed at once."""
+    with redis.Redis(
+        unix_socket_path=str(fleet.home / ".ouroboros" / "redis" / "redis.sock")
+    ) as client:
+        return set(client.keys())
+
+
+def test_a_read_only_command_does_not_start_the_embedded_redis(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "quiet", *SMALL_PHYSICS)
+    assert redis_pid(fleet) is None
+
+    for command in (
+        ["status"],
+        ["status", "--json"],
+        ["journal", "quiet"],
+        ["observations", "quiet"],
+    ):
+        fleet.ok(*command)
+        assert redis_pid(fleet) is None, command
+    assert not (fleet.home / ".ouroboros" / "redis" / "redis.sock").exists()
+
+
+def test_the_embedded_redis_stops_by_itself_once_idle_keeping_its_data(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, OUROBOROS_EMBEDDED_REDIS_IDLE_SECONDS="2")
+    fleet.ok("init", "idler", *SMALL_PHYSICS)
+    fleet.ok("run", "idler", "--generations", "3")
+    first = redis_pid(fleet)
+    assert first is not None and idle_watches(fleet)
+    held = embedded_keys(fleet)
+    assert any(key.startswith(b"gen.") for key in held)  # the queued job
+
+    wait_for(lambda: redis_pid(fleet) is None, 60, "the idle embedded Redis to stop")
+    wait_for(lambda: not idle_watches(fleet), 30, "its idle watch to exit")
+    # The next command that needs the broker starts it again, with everything it held.
+    fleet.ok("cancel", "idler")
+    assert redis_pid(fleet) not in (None, first)
+    assert held <= embedded_keys(fleet)
+    fleet.ok("stop-redis")
+
+
+def test_stop_redis_stops_the_embedded_redis_and_refuses_while_clients_are_connected(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "stopped", *SMALL_PHYSICS)
+    assert "is not running" in fleet.ok("stop-redis").stdout
+    fleet.ok("run", "stopped", "--generations", "1")
+    assert redis_pid(fleet) is not None
+
+    client = redis.Redis(unix_socket_path=str(fleet.home / ".ouroboros" / "redis" / "redis.sock"))
+    client.ping()
+    try:
+        line = one_line_refusal(fleet.cli("stop-redis"))
+        assert "1 connected clients" in line and "--force" in line
+        assert redis_pid(fleet) is not None
+    finally:
+        client.close()
+    assert "stopped the embedded Redis" in fleet.ok("stop-redis").stdout
+    assert redis_pid(fleet) is None
+    wait_for(lambda: not idle_watches(fleet), 30, "its idle watch to exit")
+
+    line = one_line_refusal(fleet.cli("stop-redis", OUROBOROS_BROKER_URL="redis://127.0.0.1:1/0"))
+    assert "OUROBOROS_BROKER_URL is set" in line

@@ -41,6 +41,8 @@ class Settings(InstrumentSettings):
     # How long ``run --follow``/``--wait`` waits while no live worker serves a lineage's
     # queue before it gives up (exit 1; the run itself stays queued).
     worker_wait_seconds: float = Field(120.0, ge=1, le=7 * 24 * 3600)
+    # How long the embedded Redis stays up with no client connected (worker.fleet.embedded_redis).
+    embedded_redis_idle_seconds: float = Field(600.0, ge=1, le=7 * 24 * 3600)
     web_host: str = "127.0.0.1"
     web_port: int = Field(8765, ge=1, le=65535)
     # The fleet-wide cap on calls to each model provider, shared by every worker through
