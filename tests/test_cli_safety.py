@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,3 +173,86 @@ def test_stop_redis_stops_the_embedded_redis_and_refuses_while_clients_are_conne
 
     line = one_line_refusal(fleet.cli("stop-redis", OUROBOROS_BROKER_URL="redis://127.0.0.1:1/0"))
     assert "OUROBOROS_BROKER_URL is set" in line
+
+
+def test_a_read_only_repository_is_one_line_from_every_writing_command_and_doctor_says_so(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "kept", *SMALL_PHYSICS)
+    before = refs(fleet)
+
+    with read_only(fleet.repo):
+        for command in (
+            ["init", "new", *SMALL_PHYSICS],
+            ["fork", "child", "--from", "kept"],
+            ["run", "kept", "--generations", "1", "--local"],
+        ):
+            line = one_line_refusal(fleet.cli(*command, timeout=60))
+            assert f"shared lineage repository {fleet.repo} is not writable" in line, command
+        doctor = fleet.cli("doctor", "--json")
+        checks = {c["name"]: c for c in json.loads(doctor.stdout)}
+
+    assert doctor.returncode == 1 and "Traceback" not in doctor.stderr
+    assert not checks["repository"]["ok"]
+    assert "not writable" in checks["repository"]["detail"]
+    assert checks["store"]["ok"] and "writable" in checks["store"]["detail"]
+    assert refs(fleet) == before
+
+
+def test_an_unusable_state_directory_is_one_line(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "stateful", *SMALL_PHYSICS)
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    for command in (["status"], ["run", "stateful", "--generations", "1", "--local"]):
+        line = one_line_refusal(fleet.cli(*command, OUROBOROS_STATE_DIR=str(not_a_directory)))
+        assert f"state directory {not_a_directory}" in line and "OUROBOROS_STATE_DIR" in line
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line_and_never_that_it_serves(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "shown", *SMALL_PHYSICS)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = fleet.cli("serve", "--port", str(port), timeout=60)
+    line = one_line_refusal(result, status=1)
+    assert f"cannot serve on 127.0.0.1 port {port}" in line and "--port" in line
+    assert "serving" not in result.stdout
+
+
+def test_a_mistyped_place_is_refused_and_nothing_is_created(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "real", *SMALL_PHYSICS)
+
+    typo_home = tmp_path / "typo" / ".ouroboros"
+    line = one_line_refusal(fleet.cli("init", "lost", OUROBOROS_HOME=str(typo_home)))
+    assert "parent directory" in line and "OUROBOROS_HOME" in line
+    typo_repo = tmp_path / "lineage.git"
+    line = one_line_refusal(
+        fleet.cli("run", "real", "--generations", "1", OUROBOROS_LINEAGE_REPO=str(typo_repo))
+    )
+    assert f"no shared lineage repository at {typo_repo}" in line
+    typo_store = tmp_path / "observation"
+    for command in (
+        ["run", "real", "--generations", "1", "--local"],
+        ["fork", "other", "--from", "real"],
+    ):
+        result = fleet.cli(*command, OUROBOROS_OBSERVATIONS=typo_store.as_uri())
+        assert f"no observation store at {typo_store}" in one_line_refusal(result)
+    assert not (tmp_path / "typo").exists()
+    assert not typo_repo.exists() and not typo_store.exists()
+    assert fleet.subjects("real") == ["seed"]
+
+    # A new fleet elsewhere: init creates its repository and store, and says so.
+    elsewhere = tmp_path / "second"
+    elsewhere.mkdir()
+    made = fleet.ok("init", "fresh", *SMALL_PHYSICS, OUROBOROS_HOME=str(elsewhere / "home"))
+    assert f"created a new shared lineage repository at {elsewhere}/home/lineages.git" in (
+        made.stderr
+    )
+    assert f"created a new observation store at {elsewhere}/home/observations" in made.stderr
