@@ -11,12 +11,14 @@ import contextlib
 import json
 import socket
 import subprocess
+import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import SMALL_PHYSICS, Fleet, wait_for
+from lineage_support import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
 
 
 def refs(fleet: Fleet) -> list[str]:
@@ -84,6 +86,28 @@ def test_status_and_every_view_skip_a_foreign_broken_ref_with_a_warning(tmp_path
     journal = fleet.ok("journal", "good")
     assert "seed" in journal.stdout and "refs/heads/lineage-missing" in journal.stderr
     fleet.ok("observations", "good")
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "scheduler", "serve", "--port", str(port)],
+            env=fleet.env,
+            cwd=fleet.home,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: http_answers(base, server, log_path, "serve"), 60, "the web UI")
+        with urllib.request.urlopen(f"{base}/api/", timeout=30) as answer:
+            overview = json.load(answer)
+        assert [summary["name"] for summary in overview["lineages"]] == ["good"]
+        with urllib.request.urlopen(f"{base}/", timeout=30) as page:
+            assert page.status == 200 and b"good" in page.read()
+    finally:
+        terminate(server)
+    assert "refs/heads/lineage-missing" in log_path.read_text()
 
 
 def redis_pid(fleet: Fleet) -> int | None:
