@@ -204,6 +204,8 @@ def test_a_read_only_repository_is_one_line_from_every_writing_command_and_docto
 ) -> None:
     fleet = Fleet(tmp_path)
     fleet.ok("init", "kept", *SMALL_PHYSICS)
+    bundle = tmp_path / "kept.bundle"
+    fleet.git("bundle", "create", str(bundle), "lineage-kept")
     before = refs(fleet)
 
     with read_only(fleet.repo):
@@ -211,6 +213,7 @@ def test_a_read_only_repository_is_one_line_from_every_writing_command_and_docto
             ["init", "new", *SMALL_PHYSICS],
             ["fork", "child", "--from", "kept"],
             ["run", "kept", "--generations", "1", "--local"],
+            ["import-bundle", str(bundle), "copy"],
         ):
             line = one_line_refusal(fleet.cli(*command, timeout=60))
             assert f"shared lineage repository {fleet.repo} is not writable" in line, command

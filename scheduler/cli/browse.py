@@ -34,6 +34,7 @@ from scheduler.importer import import_bundle
 from scheduler.output import console, warn
 from scheduler.reader import NotFound, Reader, open_reader, parse_generation
 from scheduler.views import GenerationRow, GenerationView, JournalRow, is_death
+from worker.fleet.places import require_places
 from worker.instrument.errors import Refusal
 from worker.instrument.records import Observation
 from worker.instrument.store import StoreUnavailable
@@ -78,6 +79,7 @@ def _refusing() -> Iterator[None]:
 def import_bundle_command(bundle: Path, name: str) -> None:
     """Import the single-branch git BUNDLE as lineage NAME (read-only history, no observations)."""
     settings = load_settings()
+    require_places(settings, write=True, missing_ok=True)
     head = import_bundle(bundle, name, settings.lineage_repo_url)
     console.print(
         f"imported lineage [bold]{name}[/] (branch lineage-{name} at {head[:12]}) into "

@@ -3,11 +3,11 @@
 Owns whether this process can use them, said in one line that names the place, the
 setting that put it there and what to do: a place that is missing, a new one whose
 parent directory does not exist, one this user cannot write (a read-only mount, an
-immutable or foreign directory). And owns the one way a missing repository or file
-store comes to exist: the commands that add lineages to a fleet (``init`` and the
-imports) create one whose parent directory exists, and say so; the fleet's home
-itself is made only when its own parent exists. Every other command refuses a missing
-one, so a typo in ``OUROBOROS_HOME``, ``OUROBOROS_LINEAGE_REPO`` or
+immutable or foreign directory). And owns how ``init`` creates a missing repository
+or file store: only one whose parent directory exists (the fleet's home itself only
+when the home's parent exists), and it says so. The imports leave a missing one to
+the import, which verifies its archive before it writes anything; every other command
+refuses a missing one, so a typo in ``OUROBOROS_HOME``, ``OUROBOROS_LINEAGE_REPO`` or
 ``OUROBOROS_OBSERVATIONS`` never starts a new, empty record beside the real one.
 
 Only local places are checked: a repository over ssh and an S3 store answer for
@@ -62,16 +62,21 @@ def places(settings: Settings) -> list[Place]:
     return found
 
 
-def require_places(settings: Settings, *, write: bool, create: bool = False) -> list[str]:
+def require_places(
+    settings: Settings, *, write: bool, create: bool = False, missing_ok: bool = False
+) -> list[str]:
     """Refuse, in one line, a place this command cannot use; what was created (``create``).
 
     write: the command writes lineages or observations, so each place must be writable.
-    create: a missing place is created when its parent directory exists (only the
-    commands that add lineages); otherwise it is refused.
+    create: a missing place is created when its parent directory exists (``init``).
+    missing_ok: a missing place is left for the command to make (the imports, which
+    verify an archive before they write anything); otherwise it is refused.
     """
     created = []
     for place in places(settings):
         if not place.present():
+            if missing_ok:
+                continue
             if not create:
                 raise Refusal(
                     f"there is no {place.what} at {place.path}; create lineages with "
