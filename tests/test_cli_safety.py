@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
+from lineage_support import (
+    SMALL_PHYSICS,
+    Fleet,
+    Worker,
+    free_port,
+    http_answers,
+    terminate,
+    wait_for,
+)
 
 
 def refs(fleet: Fleet) -> list[str]:
@@ -283,3 +291,20 @@ def test_a_mistyped_place_is_refused_and_nothing_is_created(tmp_path: Path) -> N
         made.stderr
     )
     assert f"created a new observation store at {elsewhere}/home/observations" in made.stderr
+
+
+def test_a_worker_with_a_mistyped_store_beside_an_existing_fleet_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "observed", *SMALL_PHYSICS)
+    typo_store = tmp_path / "observation"
+    worker = Worker(fleet, "typo", OUROBOROS_OBSERVATIONS=typo_store.as_uri())
+    try:
+        assert worker.process.wait(timeout=120) != 0
+    finally:
+        worker.stop()
+    assert f"error: there is no observation store at {typo_store}" in worker.text()
+    assert "OUROBOROS_OBSERVATIONS" in worker.text()
+    assert not typo_store.exists()
+    fleet.ok("stop-redis")

@@ -93,6 +93,23 @@ def require_places(
     return created
 
 
+def require_store_of_fleet(settings: Settings) -> None:
+    """A worker's start: refuse a missing file store beside an existing local repository.
+
+    A worker may start before the first ``init`` (no repository yet), but once the
+    fleet exists its store does too: a missing one is a mistyped setting, and the
+    worker's observations would start a second record.
+    """
+    found = places(settings)
+    repository = next((p for p in found if p.repository and p.present()), None)
+    for place in found:
+        if repository is not None and not place.repository and not place.present():
+            raise Refusal(
+                f"there is no observation store at {place.path}, yet the shared lineage "
+                f"repository {repository.path} exists; fix {place.variable} if it is mistyped"
+            )
+
+
 def _create(settings: Settings, place: Place) -> str:
     parent = place.path.parent
     home = settings.home_dir
