@@ -80,8 +80,8 @@ _EMPTY_TREE = {
     64: "6ef19b41225c5369f1c104d45d8d85efa9b057b53b14b4b9b939dd74decc5321",
 }
 _FIELD = "\x1f"
-log = logging.getLogger(__name__)
 _RECORD = "\x1e"
+log = logging.getLogger(__name__)
 
 
 class NotFound(LookupError):

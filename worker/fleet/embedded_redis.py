@@ -96,11 +96,17 @@ def ensure(settings: Settings) -> None:
 
 
 def _start_watch(settings: Settings) -> None:
-    """The idle watch of the server just started, detached from this process."""
+    """The idle watch of the server just started, detached from this process.
+
+    Through ``setsid -f``, which forks it into a session of its own and returns: the
+    watch is init's child, never a zombie of a long-lived caller (a worker) once it ends.
+    """
     root = Path(__file__).resolve().parents[2]  # where the ``worker`` package lives
     env = {name: os.environ[name] for name in _WATCH_ENV if name in os.environ}
-    subprocess.Popen(
+    subprocess.run(
         [
+            "setsid",
+            "-f",
             sys.executable,
             "-m",
             "worker.fleet.embedded_redis",
@@ -112,7 +118,7 @@ def _start_watch(settings: Settings) -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        check=True,
     )
 
 
