@@ -207,7 +207,7 @@ def test_stop_redis_stops_the_embedded_redis_and_refuses_while_clients_are_conne
     assert "OUROBOROS_BROKER_URL is set" in line
 
 
-def test_a_read_only_repository_is_one_line_from_every_writing_command_and_doctor_says_so(
+def test_a_read_only_repository_or_store_is_one_line_from_every_writing_command_and_doctor(
     tmp_path: Path,
 ) -> None:
     fleet = Fleet(tmp_path)
@@ -232,6 +232,18 @@ def test_a_read_only_repository_is_one_line_from_every_writing_command_and_docto
     assert not checks["repository"]["ok"]
     assert "not writable" in checks["repository"]["detail"]
     assert checks["store"]["ok"] and "writable" in checks["store"]["detail"]
+    assert refs(fleet) == before
+
+    with read_only(fleet.observations):
+        for command in (
+            ["run", "kept", "--generations", "1", "--local"],
+            ["fork", "child", "--from", "kept"],
+        ):
+            line = one_line_refusal(fleet.cli(*command, timeout=60))
+            assert f"observation store {fleet.observations} is not writable" in line, command
+        doctor = fleet.cli("doctor", "--json")
+    store = {c["name"]: c for c in json.loads(doctor.stdout)}["store"]
+    assert not store["ok"] and "not writable" in store["detail"]
     assert refs(fleet) == before
 
 
