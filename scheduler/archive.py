@@ -42,8 +42,7 @@ from typing import Final, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from worker.instrument.errors import Refusal
-from worker.instrument.lineage import NAME_PATTERN
-from worker.instrument.names import COMMIT_PATTERN
+from worker.instrument.names import COMMIT_PATTERN, LineageName
 
 SCHEMA: Final = "ouroboros-lineage-archive/v1"
 MANIFEST = "manifest.json"
@@ -118,7 +117,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     schema_name: Literal["ouroboros-lineage-archive/v1"] = Field(SCHEMA, alias="schema")
-    lineage: str = Field(pattern=NAME_PATTERN.pattern)
+    lineage: LineageName
     head: str = Field(pattern=COMMIT_PATTERN)
     generations: int = Field(ge=0, le=999_999_999)
     # Numbered generations the exporting store held no observation of (still pending, or

@@ -1,7 +1,10 @@
 """``schedule-lineage doctor``: what this host has and lacks for the fleet.
 
 Owns the list of host checks (bwrap, emacs, git, the ceiling driver's preflight, the
-broker, the shared repository, the observation store, provider keys). The broker's
+broker, the shared repository, the observation store, provider keys). A local
+repository or file store must be writable by this user, not only reachable: a file
+is created and removed in it (``worker.fleet.places``), since root passes every mode
+check but not a read-only mount or an immutable directory. The broker's
 is told in words: an embedded broker that is not running is fine (it starts on
 demand), distinct from a configured broker that is refused, unreachable or unnamed;
 no client error text is shown. A provider key
@@ -22,6 +25,7 @@ from pydantic import BaseModel
 from scheduler.sources import unreachable
 from worker.fleet import embedded_redis, leases
 from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.places import places, unwritable
 from worker.fleet.settings import Settings
 from worker.instrument.ceilings import select_ceiling
 from worker.instrument.model.credentials import Credential
@@ -100,7 +104,8 @@ def _broker(settings: Settings) -> Check:
             name="broker",
             ok=True,
             detail=f"embedded broker not running (it starts on demand, with {server}, "
-            f"at the first run, status or worker; socket {settings.redis_socket})",
+            f"at the first run or worker, and stops after "
+            f"{settings.embedded_redis_idle_seconds:g} s idle; socket {settings.redis_socket})",
         )
     where = _redacted(settings.broker)
     try:
@@ -120,7 +125,7 @@ def _broker(settings: Settings) -> Check:
 
 def _repository(settings: Settings) -> str:
     lineage_cache(settings, "scheduler").ls_remote("refs/heads/*")  # a Refusal if unreadable
-    return f"{settings.lineage_repo_url} reachable"
+    return f"{settings.lineage_repo_url} reachable{_writable(settings, repository=True)}"
 
 
 def _presence(credential: Credential) -> str:
@@ -132,7 +137,22 @@ def _presence(credential: Credential) -> str:
 
 def _store_probe(settings: Settings) -> str:
     store = observation_store(settings)
-    return f"{store.url} lists {len(store.list('lineages/'))} objects"
+    listed = len(store.list("lineages/"))
+    return f"{store.url} lists {listed} objects{_writable(settings, repository=False)}"
+
+
+def _writable(settings: Settings, *, repository: bool) -> str:
+    """ ", writable" for a local repository (or file store) this user can write; else raises."""
+    for place in places(settings):
+        if place.repository != repository:
+            continue
+        if not place.present():
+            raise LookupError(f"no {place.what} at {place.path} (schedule-lineage init makes one)")
+        for directory in place.writable_dirs():
+            if (problem := unwritable(directory)) is not None:
+                raise PermissionError(f"{place.path} is reachable but not writable ({problem})")
+        return ", writable"
+    return ""
 
 
 def _redacted(url: str) -> str:

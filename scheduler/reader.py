@@ -21,6 +21,7 @@ store as a path.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -56,8 +57,14 @@ from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import GitError, is_local, local_path
 from worker.instrument.index import merged, segment_keys
 from worker.instrument.keys import generation_key, index_key
-from worker.instrument.lineage import NAME_PATTERN, LineageMetadata
-from worker.instrument.names import BRANCH_PREFIX, JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH
+from worker.instrument.lineage import LineageMetadata
+from worker.instrument.names import (
+    BRANCH_PREFIX,
+    JOURNAL_PATH,
+    METADATA_PATH,
+    ORGANISM_PATH,
+    is_lineage_name,
+)
 from worker.instrument.records import IndexEntry, LineageIndex, Observation
 from worker.instrument.store import ObservationStore, open_store
 
@@ -74,6 +81,7 @@ _EMPTY_TREE = {
 }
 _FIELD = "\x1f"
 _RECORD = "\x1e"
+log = logging.getLogger(__name__)
 
 
 class NotFound(LookupError):
@@ -133,6 +141,7 @@ class Reader:
         self._histories: dict[str, History] = {}
         self._indexes: dict[str, IndexView] = {}
         self._index_parts: dict[str, tuple[bytes, list[IndexEntry]]] = {}
+        self._warned: set[str] = set()
 
     # -- lineages -------------------------------------------------------------
 
@@ -140,23 +149,54 @@ class Reader:
         """Every lineage branch: name -> head commit (none before the repository exists)."""
         if not (self.git.git_dir / "HEAD").exists():
             return {}
-        out = self.git.run(
+        listed = self.git.run(
             "for-each-ref",
             "--format=%(refname:lstrip=2) %(objectname)",
             f"refs/heads/{BRANCH_PREFIX}*",
-        ).stdout.decode(errors="replace")
+        )
+        # git skips a ref whose name or content it cannot read, and says so on stderr.
+        for warning in listed.stderr.decode(errors="replace").splitlines():
+            self._warn(warning.removeprefix("warning: "))
         heads = {}
-        for line in out.splitlines():
+        for line in listed.stdout.decode(errors="replace").splitlines():
             branch, _, sha = line.partition(" ")
             name = branch.removeprefix(BRANCH_PREFIX)
             # A branch no fleet command could have made is not a lineage we show.
-            if branch.startswith(BRANCH_PREFIX) and NAME_PATTERN.fullmatch(name):
+            if branch.startswith(BRANCH_PREFIX) and is_lineage_name(name):
                 heads[name] = sha
-        return heads
+            else:
+                self._warn(f"ignoring refs/heads/{branch}: not a lineage name")
+        return self._commits_only(heads)
+
+    def _commits_only(self, heads: dict[str, str]) -> dict[str, str]:
+        """``heads`` without a branch whose head is not a commit here (a foreign or broken
+        ref): every view would fail on its history, so it is left out with a warning."""
+        if not heads:
+            return heads
+        checked = self.git.run(
+            "cat-file",
+            "--batch-check=%(objectname) %(objecttype)",
+            input="".join(f"{sha}\n" for sha in heads.values()).encode(),
+        ).stdout.decode(errors="replace")
+        commits = {
+            sha
+            for sha, _, kind in (line.partition(" ") for line in checked.splitlines())
+            if kind == "commit"
+        }
+        for name, sha in heads.items():
+            if sha not in commits:
+                self._warn(f"ignoring refs/heads/{BRANCH_PREFIX}{name}: {sha} is not a commit here")
+        return {name: sha for name, sha in heads.items() if sha in commits}
+
+    def _warn(self, message: str) -> None:
+        """Log ``message`` once: a view reads the heads several times per answer."""
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("%s", message)
 
     def history(self, name: str, heads: dict[str, str] | None = None) -> History:
         """``name``'s history, its head looked up in ``heads`` (default: read them now)."""
-        if not NAME_PATTERN.fullmatch(name):
+        if not is_lineage_name(name):
             raise NotFound(f"no lineage named {name!r}")
         head = (heads if heads is not None else self.heads()).get(name)
         if head is None:
@@ -270,14 +310,14 @@ class Reader:
 
     def indexed(self, name: str) -> list[IndexEntry]:
         """The figures of every observed generation of ``name``, oldest first (metrics)."""
-        if not NAME_PATTERN.fullmatch(name):
+        if not is_lineage_name(name):
             raise NotFound(f"no lineage named {name!r}")
         index = self._index(name)
         return [index.entries[number] for number in sorted(index.entries)] if index else []
 
     def observation(self, name: str, number: int) -> Observation | None:
         """The stored observation of generation ``number``, whatever commit it names (metrics)."""
-        if not NAME_PATTERN.fullmatch(name):
+        if not is_lineage_name(name):
             raise NotFound(f"no lineage named {name!r}")
         raw = self.store.get(generation_key(name, number))
         if raw is None:

@@ -23,6 +23,7 @@ Trusts: the shared repository, the observation store, the broker.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from decimal import Decimal
@@ -59,6 +60,7 @@ FAILURES: dict[Source, tuple[type[Exception], ...]] = {
     "store": (StoreUnavailable,),
     "repository": (GitError,),
 }
+log = logging.getLogger(__name__)
 
 
 class LineageStatus(BaseModel):
@@ -109,9 +111,14 @@ class LineageStatus(BaseModel):
 class Fleet:
     """The scheduler's handle on the broker, the repository and the store."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, start_broker: bool = True) -> None:
+        """``start_broker=False`` (a command that only reads): an embedded Redis that is
+        not running stays stopped, and is reported as what it means, nothing in flight,
+        nothing blocked and no live worker (a worker keeps it running)."""
         self.settings = settings
-        embedded_redis.ensure(settings)
+        if start_broker:
+            embedded_redis.ensure(settings)
+        self.broker_up = bool(settings.broker_url) or embedded_redis.running(settings)
 
     @cached_property
     def app(self) -> Celery:
@@ -143,6 +150,8 @@ class Fleet:
 
         With ``until_served``, the answer comes as soon as all those queues are served.
         """
+        if not self.broker_up:
+            return Workers(reachable=True, workers=[])
         return ask(self.app, until_served=until_served)
 
     def waiting(self, meta: LineageMetadata, workers: Workers) -> str | None:
@@ -179,7 +188,11 @@ class Fleet:
         # The index just read serves the run's progress too: one read per lineage.
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
-        in_flight = self._ask("broker", outages, lambda: leases.in_flight(planner.client, lineage))
+        in_flight = (
+            self._ask("broker", outages, lambda: leases.in_flight(planner.client, lineage))
+            if self.broker_up
+            else None
+        )
         mine = [e for e in index if run and e.run_id == run.run_id]
         row = LineageStatus(
             lineage=lineage,
@@ -203,7 +216,9 @@ class Fleet:
             budget_usd=run.budget_usd if run else None,
             stopped=progress.stopped if progress else None,
             in_flight=in_flight,
-            blocked=self._ask("broker", outages, lambda: leases.blocked(planner.client, lineage)),
+            blocked=self._ask("broker", outages, lambda: leases.blocked(planner.client, lineage))
+            if self.broker_up
+            else None,
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
             workers=None,
@@ -241,12 +256,21 @@ class Fleet:
     @cached_property
     def metadata(self) -> dict[str, LineageMetadata | None]:
         """Every lineage's root metadata, read once per command, for genealogy."""
-        cache = self.planner.cache
-        return {
-            name: self._metadata(name, head)
-            for name in self.planner.lineages()
-            if (head := cache.fetch(name)) is not None
-        }
+        return {name: self._metadata(name, head) for name, head in self.heads.items()}
+
+    @cached_property
+    def heads(self) -> dict[str, str]:
+        """Every lineage's head; one whose branch cannot be read is left out with a warning."""
+        heads = {}
+        for name in self.planner.lineages():
+            try:
+                head = self.planner.cache.fetch(name)
+            except GitError as exc:
+                log.warning("ignoring lineage %s: %s", name, exc)
+                continue
+            if head is not None:
+                heads[name] = head
+        return heads
 
     def _metadata(self, lineage: str, head: str) -> LineageMetadata | None:
         try:
@@ -263,7 +287,7 @@ class Fleet:
         asked again: its workers are unknown.
         """
         outages: Outages = {}
-        rows = [self.status(name, outages=outages) for name in (names or self.planner.lineages())]
+        rows = [self.status(name, outages=outages) for name in (names or self.heads)]
         if not any(_wants_more(row) for row in rows):
             return rows
         workers = UNREACHABLE if "broker" in outages else self.workers()

@@ -5,18 +5,19 @@ line on stderr with exit status 2 and no traceback; the work itself is done by t
 worker's pipeline and the scheduler's modules, never here.
 
 Each command lives in the module of its family (``lineages``, ``status``,
-``doctor``, ``browse``, ``archives``; what they share is in ``common``) and that module is
-imported only when its command runs or its own help is asked: the group below is
-click's "lazy loading subcommands" pattern, a name -> ``"module:attr"`` table. The
-table also holds each command's one-line help, so ``schedule-lineage --help`` lists
-every command without importing any of them (no store, broker, pipeline or web
-stack). This module imports click and the refusal type, nothing else of weight;
-no command module imports another.
+``doctor``, ``browse``, ``archives``, ``repack``, ``broker``; what they share is in
+``common``) and that module is imported only when its command runs or its own help
+is asked: the group below is click's "lazy loading subcommands" pattern, a name ->
+``"module:attr"`` table. The table also holds each command's one-line help, so
+``schedule-lineage --help`` lists every command without importing any of them (no
+store, broker, pipeline or web stack). This module imports click and the refusal
+type, nothing else of weight; no command module imports another.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
@@ -93,6 +94,10 @@ COMMANDS: dict[str, Lazy] = {
     "repack": Lazy(
         "scheduler.cli.repack:repack",
         "Pack this host's lineage repositories: every cache, and a local shared repository.",
+    ),
+    "stop-redis": Lazy(
+        "scheduler.cli.broker:stop_redis",
+        "Stop this home's embedded Redis now; its data is kept for its next start.",
     ),
     "serve": Lazy(
         "scheduler.cli.browse:serve_command",
@@ -224,7 +229,17 @@ def _unanswered(exc: BaseException) -> bool:
     return isinstance(exc, tuple(kinds))
 
 
+class _Warnings(logging.Handler):
+    """A logged warning (a foreign ref skipped, a repository to harden) as one line on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from scheduler.output import warn
+
+        warn(record.levelname.lower(), record.getMessage())
+
+
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, handlers=[_Warnings()])
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

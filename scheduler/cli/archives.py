@@ -21,6 +21,7 @@ from scheduler.output import console, warn
 from scheduler.restore import ArchiveProblems, restore
 from scheduler.verify import check
 from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.places import require_places
 
 
 @click.command("export")
@@ -86,6 +87,7 @@ def verify_command(archive: Path) -> None:
 def import_command(archive: Path) -> None:
     """Add the lineage of an export archive, verified first, to this fleet (write-once)."""
     settings = load_settings()
+    require_places(settings, write=True, missing_ok=True)
     try:
         done = restore(archive, settings.lineage_repo_url, observation_store(settings))
     except ArchiveProblems as exc:

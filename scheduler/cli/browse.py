@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,9 +31,10 @@ from rich.text import Text
 
 from scheduler.cli.common import load_settings
 from scheduler.importer import import_bundle
-from scheduler.output import console
+from scheduler.output import console, warn
 from scheduler.reader import NotFound, Reader, open_reader, parse_generation
 from scheduler.views import GenerationRow, GenerationView, JournalRow, is_death
+from worker.fleet.places import require_places
 from worker.instrument.errors import Refusal
 from worker.instrument.records import Observation
 from worker.instrument.store import StoreUnavailable
@@ -84,6 +87,7 @@ def _refusing() -> Iterator[None]:
 def import_bundle_command(bundle: Path, name: str) -> None:
     """Import the single-branch git BUNDLE as lineage NAME (read-only history, no observations)."""
     settings = load_settings()
+    require_places(settings, write=True, missing_ok=True)
     head = import_bundle(bundle, name, settings.lineage_repo_url)
     console.print(
         f"imported lineage [bold]{name}[/] (branch lineage-{name} at {head[:12]}) into "
@@ -290,8 +294,34 @@ def serve_command(host: str | None, port: int | None) -> None:
             "behind an authenticating reverse proxy (docs/browsing.md)",
             highlight=False,
         )
+    # Bound here, before saying so: a busy port is one line and exit 1, never "serving"
+    # followed by uvicorn's own failure.
+    try:
+        listener = _bound(host, port)
+    except OSError as exc:
+        warn(
+            "error",
+            f"cannot serve on {host} port {port}: {exc.strerror or exc}; stop what listens "
+            "there, or pick another with --port (OUROBOROS_WEB_PORT) or --host",
+        )
+        sys.exit(1)
     console.print(f"serving http://{host}:{port}/ (read-only)", highlight=False)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.run(sockets=[listener])
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port``, as uvicorn would have made it."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(2048)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _loopback(host: str) -> bool:

@@ -27,6 +27,7 @@ from scheduler.fork import describe as describe_fork
 from scheduler.fork import resolve, seed_of
 from scheduler.output import console, warn
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
+from worker.fleet.places import require_places
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
@@ -104,6 +105,9 @@ def init(name: str, seed: Path | None, **physics_options: object) -> None:
     """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics."""
     settings = load_settings()
     physics = physics_from(physics_options)
+    check_name(name)
+    for made in require_places(settings, write=True, create=True):
+        warn("note", made)
     meta = create(settings, name, read_seed(seed) if seed else current().seed, physics)
     console.print(
         f"created lineage [bold]{meta.name}[/] (branch lineage-{meta.name}) in "
@@ -151,6 +155,7 @@ def fork(name: str, source_spec: str, **physics_options: object) -> None:
     """Create lineage NAME seeded from a generation of another, under this instrument."""
     settings = load_settings()
     check_name(name)
+    require_places(settings, write=True)
     cache = lineage_cache(settings, "scheduler")
     source = resolve(cache, source_spec)
     physics = physics_from(physics_options, source.physics)
@@ -196,6 +201,7 @@ def run(
     settings = load_settings()
     provider = provider or settings.model_provider
     model = model or settings.model_name
+    require_places(settings, write=local)
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
@@ -333,6 +339,7 @@ def cancel(name: str) -> None:
 
     settings = load_settings()
     check_name(name)
+    require_places(settings, write=False)
     cancelled = Fleet(settings).planner.cancel(name)
     if cancelled is None:
         raise Refusal(f"lineage {name} has no active run to cancel")

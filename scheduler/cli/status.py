@@ -50,7 +50,7 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
     settings = load_settings()
     for name in names:
         check_name(name)
-    rows = Fleet(settings).statuses(list(names) or None)
+    rows = Fleet(settings, start_broker=False).statuses(list(names) or None)
     emit(rows, as_json, lambda: _table(rows))
     down = {source: line for row in rows for source, line in row.unavailable.items()}
     if down:

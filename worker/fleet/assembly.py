@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from worker.fleet.places import state_dir
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import current, instrument_commit
 from worker.instrument.gitrepo import LineageCache
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 def lineage_cache(settings: Settings, role: str = "worker") -> LineageCache:
     """The local cache of the shared repository; each role keeps its own on a host."""
     return LineageCache(
-        settings.state_path / "cache" / role / "lineages.git", settings.lineage_repo_url
+        state_dir(settings) / "cache" / role / "lineages.git", settings.lineage_repo_url
     )
 
 
@@ -75,6 +76,6 @@ def build_pipeline(
         ceiling=select_ceiling(ceiling or settings.ceiling, settings.cgroup_parent),
         store=observation_store(settings),
         cache=lineage_cache(settings),
-        spool=Spool(settings.state_path / "spool"),
+        spool=Spool(state_dir(settings) / "spool"),
         throttle=model_throttle(settings, shared=shared_cap),
     )

@@ -49,7 +49,7 @@ from redis.retry import Retry
 from redis.typing import EncodableT
 
 from worker.fleet.settings import Settings
-from worker.instrument.names import LINEAGE_NAME_PATTERN
+from worker.instrument.names import is_lineage_name
 
 PREFIX = "ouroboros"
 log = logging.getLogger("ouroboros.worker")
@@ -60,7 +60,6 @@ OUTLAST_RESTART = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=15)
 # What a holder record may hold, read back from a Redis anyone on the network may write:
 # the worker's own job ids (``lineage.commit12.hex``), Celery's uuids, and holder names.
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
-_LINEAGE = re.compile(LINEAGE_NAME_PATTERN)
 # A pid is at most pid_max (2**22): seven digits.
 _PID = re.compile(r"[0-9]{1,7}")
 _HOLDERS = f"{PREFIX}:holder:"
@@ -445,7 +444,7 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
             continue
         job_id, _, holder = record.decode(errors="replace").partition(" ")
         lineage = key.decode(errors="replace").removeprefix(_HOLDERS)
-        if not (_LINEAGE.fullmatch(lineage) and _JOB_ID.fullmatch(job_id) and holder.isprintable()):
+        if not (is_lineage_name(lineage) and _JOB_ID.fullmatch(job_id) and holder.isprintable()):
             # Written by someone else (anyone who reaches Redis can): its names must reach
             # neither a log line raw nor the planner. Gone, it is reported once.
             client.delete(key)

@@ -41,7 +41,7 @@ from worker.instrument.index import read_index
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.keys import run_key, runs_prefix
 from worker.instrument.lineage import LineageMetadata, root_metadata
-from worker.instrument.names import BRANCH_PREFIX
+from worker.instrument.names import BRANCH_PREFIX, is_lineage_name
 from worker.instrument.records import LineageIndex
 from worker.instrument.store import ObservationStore, StoreUnavailable
 
@@ -68,14 +68,24 @@ class Planner:
         self.store_outage = Outage("the observation store", "reconciler", log)
 
     def lineages(self) -> list[str]:
-        """Every lineage branch in the shared repository."""
+        """Every lineage branch in the shared repository.
+
+        A foreign ref there (a name git refuses, or content that names no object, as
+        ls-remote shows it: all zeros) is no lineage: left out with a warning, so one
+        broken ref never stops the reconciler or ``status`` for every lineage.
+        """
         out = self.cache.ls_remote("refs/heads/*")
         prefix = f"refs/heads/{BRANCH_PREFIX}"
-        return sorted(
-            line.split("\t")[1].removeprefix(prefix)
-            for line in out.splitlines()
-            if line.split("\t")[1].startswith(prefix)
-        )
+        names = []
+        for line in out.splitlines():
+            sha, _, ref = line.partition("\t")
+            if not ref.startswith(prefix):
+                continue
+            if is_lineage_name(name := ref.removeprefix(prefix)) and sha.strip("0"):
+                names.append(name)
+            else:
+                log.warning("ignoring %s: not a lineage branch git can read", ref)
+        return sorted(names)
 
     def runs(self, lineage: str) -> list[RunRecord]:
         keys = self.store.list(runs_prefix(lineage))

@@ -44,6 +44,8 @@ class Settings(InstrumentSettings):
     # How long ``run --follow``/``--wait`` keeps trying while the broker, the store or the
     # repository does not answer before it gives up (exit 1; the runs go on on the fleet).
     follow_outage_seconds: float = Field(600.0, ge=1, le=7 * 24 * 3600)
+    # How long the embedded Redis stays up with no client connected (worker.fleet.embedded_redis).
+    embedded_redis_idle_seconds: float = Field(600.0, ge=1, le=7 * 24 * 3600)
     web_host: str = "127.0.0.1"
     web_port: int = Field(8765, ge=1, le=65535)
     # The fleet-wide cap on calls to each model provider, shared by every worker through

@@ -5,7 +5,8 @@ Owns ``worker_app``, which ``worker.celery`` calls once to build the app that
 the queues this worker serves (its own instrument's ``gen.<fingerprint12>`` and the
 control queue), the generation task (validate the payload, hold the lineage's lease
 while the pipeline runs, then plan what comes next), the reconcile task that beat
-schedules, the start-up preflight (a working ceiling, the spool drained), the freeze
+schedules, the start-up preflight (a working ceiling, the observation store of an
+existing fleet present, the spool drained), the freeze
 of the parent's objects before the pool forks (so the pool children share their
 pages), and the main process's watch over what it holds: the markers of the jobs it
 has fetched (renewed every third of ``lease_seconds`` until each job ends, so a
@@ -56,6 +57,7 @@ from worker.fleet.app import (
 )
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
 from worker.fleet.outage import Outage, probe
+from worker.fleet.places import require_store_of_fleet
 from worker.fleet.planner import Planner
 from worker.fleet.settings import Settings
 from worker.fleet.transport import ScreeningAMQP
@@ -170,6 +172,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         """Refuse to start without a working ceiling; finish publications a crash left."""
         try:
             embedded_redis.ensure(settings)
+            require_store_of_fleet(settings)
             remaining = pipeline().drain()
         except Refusal as exc:
             log.critical("refusing to start: %s", exc)

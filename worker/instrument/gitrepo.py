@@ -467,7 +467,12 @@ class LineageCache:
             if found is None:
                 return None
             head = str(found.resolve().target)
-            copy_objects(self._shared(), self.repo, head)
+            try:
+                copy_objects(self._shared(), self.repo, head)
+            except KeyError:
+                # A foreign ref naming an object the repository lacks (pygit2's
+                # NotFoundError is a KeyError): no lineage can be read from it.
+                raise GitError(f"{ref} names {head}, which the shared repository lacks") from None
             self._track(lineage, head)
             return head
         refspec = f"+{ref}:{self.tracking_ref(lineage)}"

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
-from worker.instrument.names import COMMIT_PATTERN, LINEAGE_NAME_PATTERN
+from worker.instrument.names import COMMIT_PATTERN, LineageName
 from worker.instrument.records import ModelFailure, Outcome
 
 
@@ -26,7 +26,7 @@ class GenerationJob(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lineage: str = Field(pattern=LINEAGE_NAME_PATTERN)
+    lineage: LineageName
     expected_commit: str = Field(pattern=COMMIT_PATTERN)
     provider: Literal[PROVIDER_NAMES] = Field(  # type: ignore[valid-type]
         description="one of the known providers; a hostile name is rejected, not run"

@@ -16,7 +16,6 @@ lineage as untrusted input (validated with pydantic).
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -33,15 +32,15 @@ from worker.instrument.names import (
     COMMIT_PATTERN,
     JOURNAL_PATH,
     KERNEL_OWNED,
-    LINEAGE_NAME_PATTERN,
     METADATA_PATH,
     ORGANISM_PATH,
+    LineageName,
+    lineage_name_problem,
 )
 from worker.instrument.physics import Physics
 from worker.instrument.store import ObservationStore
 
 SCHEMA: Final = "ouroboros-fleet-lineage/v1"
-NAME_PATTERN = re.compile(LINEAGE_NAME_PATTERN)
 
 
 class Parentage(BaseModel):
@@ -54,7 +53,7 @@ class Parentage(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lineage: str = Field(pattern=NAME_PATTERN.pattern)
+    lineage: LineageName
     commit: str = Field(pattern=COMMIT_PATTERN)
     generation: int = Field(ge=0)
     instrument_fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
@@ -68,7 +67,7 @@ class LineageMetadata(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     schema_name: Literal["ouroboros-fleet-lineage/v1"] = Field(SCHEMA, alias="schema")
-    name: str = Field(pattern=NAME_PATTERN.pattern)
+    name: LineageName
     created_at: datetime
     instrument_fingerprint: str = Field(pattern=r"^[0-9a-f]{64}$")
     instrument_version: str
@@ -86,11 +85,8 @@ class LineageMetadata(BaseModel):
 
 
 def check_name(name: str) -> str:
-    if not NAME_PATTERN.fullmatch(name):
-        raise Refusal(
-            f"invalid lineage name {name!r}: use 1-63 characters from a-z 0-9 . _ -, "
-            "starting with a letter or digit"
-        )
+    if (problem := lineage_name_problem(name)) is not None:
+        raise Refusal(f"invalid lineage name {name!r}: {problem}")
     return name
 
 

@@ -1,6 +1,8 @@
 """The names and patterns every part of the fleet spells the same way, defined once.
 
-Owns: what a commit id, a lineage name and a lineage branch look like; the paths of
+Owns: what a commit id, a lineage name and a lineage branch look like (a lineage
+name is the project's own rule and git's reference-name rule for its branch, as
+libgit2 checks it, so no name can leave a ref git refuses); the paths of
 a lineage's tree that the kernel owns; the ceiling driver names; the generation
 numbering rule (a commit is generation N only if its subject starts ``gen N: ``, so
 a hand commit titled ``gen notes`` is not one); and the queue of an instrument.
@@ -11,11 +13,15 @@ cannot disagree. Pure data and functions: imports nothing of the fleet.
 from __future__ import annotations
 
 import re
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
+
+import pygit2
+from pydantic import AfterValidator
 
 COMMIT_PATTERN = r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$"
-LINEAGE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 BRANCH_PREFIX = "lineage-"
+# The project's own rule; git's is asked of libgit2 (``lineage_name_problem``).
+_LINEAGE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 
 ORGANISM_PATH = "organism.el"
 JOURNAL_PATH = "journal.md"
@@ -33,6 +39,34 @@ def generation_number(subject: str) -> int | None:
     """N for a commit subject ``gen N: ...``; None for every other commit (seed, hand edits)."""
     match = _GENERATION_SUBJECT.match(subject)
     return int(match.group(1)) if match else None
+
+
+def lineage_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a lineage, or None if it can.
+
+    Within the project's characters git still refuses a branch ``lineage-a..b``,
+    ``lineage-a.`` and ``lineage-a.lock``; writing one leaves a ref every git reader
+    then trips on, so git's own check decides, not a copy of its rules.
+    """
+    if not _LINEAGE_NAME.fullmatch(name):
+        return "use 1-63 characters from a-z 0-9 . _ -, starting with a letter or digit"
+    if not pygit2.reference_is_valid_name(f"refs/heads/{BRANCH_PREFIX}{name}"):
+        return "git refuses it as a branch name (no '..', no '.' or '.lock' at the end)"
+    return None
+
+
+def is_lineage_name(name: str) -> bool:
+    return lineage_name_problem(name) is None
+
+
+def _lineage_name(name: str) -> str:
+    if (problem := lineage_name_problem(name)) is not None:
+        raise ValueError(f"invalid lineage name: {problem}")
+    return name
+
+
+# A lineage name in a pydantic model: the same rule as ``lineage_name_problem``.
+LineageName = Annotated[str, AfterValidator(_lineage_name)]
 
 
 def queue_name(fingerprint: str) -> str:
