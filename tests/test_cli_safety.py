@@ -28,6 +28,9 @@ from support.fleet import (
     wait_for,
 )
 
+# Every test here runs the CLI as a user does: a process each.
+pytestmark = [pytest.mark.full]
+
 
 def refs(fleet: Fleet) -> list[str]:
     """Every file under the repository's refs and every packed ref: what git would read."""
