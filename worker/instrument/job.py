@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
+from worker.instrument.model.prices import Prices
 from worker.instrument.names import COMMIT_PATTERN, LINEAGE_NAME_PATTERN
 from worker.instrument.records import Outcome
 
@@ -35,6 +36,26 @@ class GenerationJob(BaseModel):
     target_generation: int | None = Field(None, ge=1)
     budget_usd: Decimal | None = Field(None, ge=0, description="what the run has left")
     enqueued_at: datetime | None = None
+    # The prices the run was started with: every worker charges the run's generations
+    # alike, whatever its own settings say. None (a job of an older scheduler, or
+    # ``run --local``): the worker's own prices for the provider and model.
+    prices: Prices | None = None
+
+
+class ModelFailure(BaseModel):
+    """The provider's failure in a generation, for the fleet to stop or pause the run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["refused", "unavailable"]
+    # refused: the provider said no in a way waiting will not fix (401, 403, 404,
+    #   unknown model, a request the provider calls invalid although the organism's
+    #   own request was valid);
+    # unavailable: passing failures (429, 5xx, timeouts, connection refused) that
+    #   exhausted the retries or the call's deadline.
+    reason: str  # the provider's reason, one printable line, <= 300 chars, never a secret
+    failed_calls: int  # calls of this generation that failed at the provider
+    answered_calls: int  # calls of this generation the provider answered
 
 
 class GenerationReport(BaseModel):
@@ -48,3 +69,4 @@ class GenerationReport(BaseModel):
     spent_usd: Decimal
     run_budget_exhausted: bool
     observation_stored: bool
+    model_failure: ModelFailure | None = None

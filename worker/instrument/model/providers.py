@@ -455,24 +455,27 @@ HTTP_PROVIDERS: dict[str, type[_HTTPProvider]] = {
 }
 
 
-def make_provider(name: str, model: str | None, settings: InstrumentSettings) -> Provider:
+def make_provider(
+    name: str, model: str | None, settings: InstrumentSettings, prices: Prices | None = None
+) -> Provider:
     """The configured provider, or a Refusal saying which setting to fix.
 
     Checked here, before any sandbox starts: the provider name, its key (present and
     usable; read again at each call), the model, its prices and the base URL. With
     no model, the provider's default model is used; openai-compatible has none.
+    prices: the run's own (they travel with its jobs); None: this worker's.
     """
     require_known(name)
     if name == "scripted":
         model = model or DEFAULT_MODELS[name]
-        prices = resolve_prices(name, model, settings)
+        prices = prices or resolve_prices(name, model, settings)
         return ScriptedProvider(model, prices, settings.scripted_latency_seconds)
     provider = HTTP_PROVIDERS[name]
     provider.read_key()
     model = model or DEFAULT_MODELS.get(name)
     if not model:
         raise Refusal(f"the {name} provider needs a model name: set {MODEL_SETTING} or --model")
-    prices = resolve_prices(name, model, settings)
+    prices = prices or resolve_prices(name, model, settings)
     base_url = _base_url(settings, provider.base_url_field)
     if provider is OpenAICompatibleProvider:
         return OpenAICompatibleProvider(
