@@ -1,0 +1,103 @@
+"""Blocked lineages and run prices with real Celery workers: what a user meets.
+
+Real ``celery -A worker worker`` processes on a private database of the machine's
+Redis, the real pipeline (bwrap, Emacs, cgroups, git) and a file observation store;
+the CLI as a subprocess. The rules themselves are tested fast in ``test_fleet_blocks``.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import pytest
+import redis
+from lineage_support import SMALL_PHYSICS, Fleet, Worker, wait_for
+from test_fleet import assert_linear, start
+
+from worker.fleet import capabilities
+from worker.instrument.model.prices import builtin_prices
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
+
+
+def status_of(fleet: Fleet, lineage: str) -> dict[str, object]:
+    rows = json.loads(fleet.ok("status", lineage, "--json").stdout)
+    return rows[0]  # type: ignore[no-any-return]
+
+
+def advertised(fleet: Fleet) -> list[str]:
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    return [key.decode() for key in client.scan_iter(capabilities.advert_key("*"))]
+
+
+def test_a_keyless_worker_blocks_a_run_status_says_why_and_a_new_run_clears_it(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "newcomer", *SMALL_PHYSICS)
+    # No worker is up: the run is recorded, and waits for one (it may bring the key).
+    fleet.ok("run", "newcomer", "--generations", "2", "--provider", "openai")
+    worker = start(fleet, workers, "w1")
+
+    blocked = wait_for(
+        lambda: (row := status_of(fleet, "newcomer"))["blocked"] and row, 120, "the refusal"
+    )
+    assert blocked["blocked_kind"] == "worker" and blocked["retry_at"] is not None
+    assert "OPENAI_API_KEY is not set" in str(blocked["blocked"])
+    assert "newcomer cannot advance here: OPENAI_API_KEY is not set" in worker.text()
+
+    # Live workers serve the queue and none has the key: refused at once, nothing recorded.
+    wait_for(lambda: advertised(fleet), 60, "the worker's advertisement")
+    refused = fleet.cli("run", "newcomer", "--generations", "1", "--provider", "openai")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert "no live worker on gen." in refused.stderr and "provider openai" in refused.stderr
+    assert status_of(fleet, "newcomer")["run_id"] == blocked["run_id"]
+
+    # A run of a provider the worker serves is not refused with the old reason.
+    fleet.ok("run", "newcomer", "--generations", "2", "--wait", timeout=300)
+
+    assert_linear(fleet, "newcomer", 2)
+    final = status_of(fleet, "newcomer")
+    assert final["blocked"] is None and final["stopped"] == "target reached"
+    assert "Traceback" not in worker.text()
+
+
+def test_two_workers_with_different_price_settings_charge_a_lineage_alike(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "priced", *SMALL_PHYSICS)
+    unpriced = fleet.cli(
+        "run", "priced", "--generations", "1", "--provider", "openai-compatible", "--model", "x"
+    )
+    assert unpriced.returncode == 2, unpriced.stdout + unpriced.stderr
+    assert "OUROBOROS_MODEL_INPUT_USD_PER_MTOK" in unpriced.stderr
+    assert unpriced.stderr.count("\n") == 1
+
+    # The first worker's own prices for the scripted model are a hundred times the table's.
+    dear = start(
+        fleet,
+        workers,
+        "dear",
+        OUROBOROS_MODEL_INPUT_USD_PER_MTOK="100",
+        OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK="500",
+    )
+    fleet.ok("run", "priced", "--generations", "1", "--wait", timeout=300)
+    dear.stop()
+    workers.remove(dear)
+    start(fleet, workers, "plain")
+    fleet.ok("run", "priced", "--generations", "1", "--wait", timeout=300)
+
+    assert_linear(fleet, "priced", 2)
+    table = builtin_prices("scripted", "scripted")
+    assert table is not None
+    for generation in (1, 2):
+        observation = fleet.observation("priced", generation)
+        calls = observation["model_calls"]
+        assert isinstance(calls, list) and calls, observation
+        for call in calls:
+            expected = table.cost_usd(call["input_tokens"], call["output_tokens"])
+            assert Decimal(str(call["cost_usd"])) == expected, (generation, call)
+        assert Decimal(str(observation["spent_usd"])) == sum(
+            (Decimal(str(call["cost_usd"])) for call in calls), Decimal(0)
+        )
