@@ -1,8 +1,8 @@
 """The scheduler's handle on the fleet, and the status of each lineage it reports.
 
 Owns the status of each lineage (target, done, in flight, last outcome, deaths,
-spend, observation backlog, what blocks or pauses it and when it is tried again
-(``block_line``), which live workers serve the lineage's instrument
+spend, observation backlog, what blocks or pauses it and when it is tried again,
+which live workers serve the lineage's instrument
 queue, with the sentence a waiting user is told when none does (see
 ``scheduler.liveness``), and its genealogy) and the scheduler's planner, which sends
 jobs through a client Celery app (``worker.fleet.app``; the worker's own app is never
@@ -86,7 +86,7 @@ class LineageStatus(BaseModel):
     stopped: str | None
     # From the broker.
     in_flight: str | None
-    # What blocks or pauses the lineage, and what happens next (``block_line``).
+    # What blocks or pauses the lineage, and what happens next (``leases.Block.describe``).
     blocked: str | None
     blocked_kind: str | None = None
     # When the lineage is planned again by itself; None while blocked: only once fixed.
@@ -202,7 +202,7 @@ class Fleet:
             budget_usd=run.budget_usd if run else None,
             stopped=progress.stopped if progress else None,
             in_flight=in_flight,
-            blocked=block_line(block) if block else None,
+            blocked=block.describe() if block else None,
             blocked_kind=block.kind if block else None,
             retry_at=block.retry_at if block else None,
             queue=queue,
@@ -272,24 +272,6 @@ class Fleet:
             self._live(row, meta, workers) if (meta := self.metadata.get(row.lineage)) else row
             for row in rows
         ]
-
-
-def block_line(block: leases.Block) -> str:
-    """What blocks a lineage, and when or how it is tried again, in one line."""
-    if block.retry_at is None:
-        when = ""
-    elif block.due():
-        when = "; being retried now"
-    else:
-        when = f"; retried at {block.retry_at:%Y-%m-%d %H:%M:%S} UTC"
-    if block.kind == "refused":
-        return (
-            f"blocked: the {block.provider} provider refused: {block.reason}; fix it and "
-            "restart the workers, start a new run, or cancel the run"
-        )
-    if block.kind == "unavailable":
-        return f"paused: the {block.provider} provider is unavailable: {block.reason}{when}"
-    return f"blocked: worker {block.node} refused: {block.reason}{when}"
 
 
 def _wants_more(row: LineageStatus) -> bool:

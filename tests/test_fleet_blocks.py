@@ -1,5 +1,6 @@
 """Blocked lineages and stopped runs, fast: what blocks a lineage, what clears it, what a
-provider failure does to a run, and the prices a run carries.
+provider failure does to a run, how status and the web UI show it, and the prices a run
+carries.
 
 The planner, the worker's own code after a generation lands (``tasks._after_landing``)
 and its advertisement turn (``capabilities.advertise_once``) run in this process
@@ -10,13 +11,18 @@ talking to Celery. The real Celery worker's side is in ``test_fleet_blocks_worke
 
 from __future__ import annotations
 
+import json
 import logging
+import secrets
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
+import redis
 import test_fleet_rules
-from lineage_support import wait_for
+from browse_support import Served
+from lineage_support import SMALL_PHYSICS, Fleet, wait_for
 from test_fleet_rules import Rig, report
 
 from worker.fleet import blocks, capabilities, leases
@@ -184,6 +190,31 @@ def test_a_marker_no_worker_wrote_is_removed_and_blocks_nothing(rig: Rig) -> Non
     assert rig.client.exists(leases.blocked_key(name)) == 0
 
 
+def test_run_is_told_no_live_worker_serves_a_provider_only_when_some_advertise_and_none_does(
+    rig: Rig,
+) -> None:
+    queue = "gen." + secrets.token_hex(6)
+    keyless = rig.name("keyless")
+    assert capabilities.unservable(rig.client, queue, "openai") is None  # no worker up
+
+    capabilities.advertise(
+        rig.client,
+        capabilities.Advert(
+            node=keyless, queue=queue, providers=["scripted"], started=datetime.now(UTC)
+        ),
+    )
+    # Anyone may write under the prefix: neither of these is a worker that serves openai.
+    rig.client.hset(capabilities.advert_key(rig.name("hash")), "providers", "openai")
+    forged = rig.name("forged")
+    rig.client.set(capabilities.advert_key(forged), '{"node": "x", "providers": ["openai"]}')
+
+    why = capabilities.unservable(rig.client, queue, "openai")
+    assert why is not None and f"no live worker on {queue} can serve provider openai" in why
+    assert keyless in why and forged not in why
+    assert capabilities.unservable(rig.client, queue, "scripted") is None
+    assert capabilities.unservable(rig.client, "gen." + secrets.token_hex(6), "openai") is None
+
+
 # -- a provider failure stops the run -------------------------------------------------------
 
 
@@ -319,3 +350,43 @@ def test_a_run_record_of_an_older_release_without_prices_still_plans_its_jobs(ri
     job = rig.planner.enqueue(name)
 
     assert job is not None and job.prices is None
+
+
+# -- what status and the web UI show ----------------------------------------------------------
+
+
+def test_status_and_the_web_ui_show_why_a_lineage_is_blocked_and_when_it_is_retried(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    fleet.ok("init", "shown", *SMALL_PHYSICS)
+    fleet.ok("run", "shown", "--generations", "2")  # no worker: the run waits
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    since = datetime.now(UTC)
+    record = leases.Block(
+        kind="unavailable",
+        reason="openai answered HTTP 503 <b>down</b>",
+        provider="openai",
+        queue="gen." + "0" * 12,
+        node=NODE,
+        since=since,
+        retry_at=since + timedelta(minutes=5),
+    )
+    leases.block(client, "shown", record)
+    retried = f"{record.retry_at:%Y-%m-%d %H:%M:%S} UTC"
+
+    row = json.loads(fleet.ok("status", "shown", "--json").stdout)[0]
+    assert row["blocked"] == (
+        f"paused: the openai provider is unavailable: openai answered HTTP 503 <b>down</b>; "
+        f"retried at {retried}"
+    )
+    assert (row["blocked_kind"], row["retry_at"] is not None) == ("unavailable", True)
+
+    served = Served(fleet, tmp_path / "serve.log")
+    try:
+        summary = {x["name"]: x for x in served.get("/api/").json()["lineages"]}["shown"]
+        assert summary["blocked"] == row["blocked"]
+        assert served.get("/api/lineages/shown").json()["summary"]["blocked"] == row["blocked"]
+        for page in (served.get("/").text, served.get("/lineages/shown").text):
+            assert "HTTP 503 &lt;b&gt;down&lt;/b&gt;; retried at " + retried in page
+    finally:
+        served.stop()

@@ -86,13 +86,11 @@ def adverts(client: redis.Redis, queue: str) -> list[Advert]:
     """The advertisements of the live workers consuming ``queue``."""
     found = []
     for key in client.scan_iter(f"{_ADVERTS}*"):
-        value = client.get(key)
-        if value is None:
-            continue
         try:
-            advert = Advert.model_validate_json(value)
-        except ValidationError:
-            continue  # not a worker's: nothing to learn from it
+            value = client.get(key)
+            advert = Advert.model_validate_json(value or b"")
+        except (redis.ResponseError, ValidationError):
+            continue  # another type, or not a worker's: nothing to learn from it
         if advert.queue == queue and key.decode(errors="replace") == advert_key(advert.node):
             found.append(advert)
     return found

@@ -514,6 +514,23 @@ class Block(BaseModel):
         """Whether its retry time has come (never, for one that waits for a fix)."""
         return self.retry_at is not None and self.retry_at <= (now or datetime.now(UTC))
 
+    def describe(self) -> str:
+        """What blocks the lineage, and when or how it is tried again, in one line."""
+        if self.retry_at is None:
+            when = ""
+        elif self.due():
+            when = "; being retried now"
+        else:
+            when = f"; retried at {self.retry_at:%Y-%m-%d %H:%M:%S} UTC"
+        if self.kind == "refused":
+            return (
+                f"blocked: the {self.provider} provider refused: {self.reason}; fix it and "
+                "restart the workers, start a new run, or cancel the run"
+            )
+        if self.kind == "unavailable":
+            return f"paused: the {self.provider} provider is unavailable: {self.reason}{when}"
+        return f"blocked: worker {self.node} refused: {self.reason}{when}"
+
 
 def block(client: redis.Redis, lineage: str, record: Block) -> None:
     """Mark ``lineage`` blocked; kept until a fix clears it, or a day past its retry time."""
