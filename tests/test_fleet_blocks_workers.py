@@ -12,12 +12,16 @@ from decimal import Decimal
 
 import pytest
 import redis
+import test_model_providers
 from lineage_support import SMALL_PHYSICS, Fleet, Worker, wait_for
-from test_fleet import assert_linear, start
+from test_fleet import assert_linear, generations, start
+from test_model_providers import StandIn, message, openai_response, output_text
 
 from worker.fleet import capabilities
 from worker.instrument.model.prices import builtin_prices
 
+# A vendor API on 127.0.0.1 (test_model_providers' fixture, for this module's tests too).
+stand_in = test_model_providers.stand_in
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
 
 
@@ -61,6 +65,37 @@ def test_a_keyless_worker_blocks_a_run_status_says_why_and_a_new_run_clears_it(
     final = status_of(fleet, "newcomer")
     assert final["blocked"] is None and final["stopped"] == "target reached"
     assert "Traceback" not in worker.text()
+
+
+def test_a_worker_whose_key_file_appears_clears_its_block_and_the_run_goes_on(
+    fleet: Fleet, workers: list[Worker], stand_in: StandIn
+) -> None:
+    stand_in.reply = openai_response(
+        [message(output_text('(message "hello from the stand-in")'))], "completed", usage=(40, 9)
+    )
+    key_file = fleet.home / "openai.key"
+    fleet.ok("init", "fixed", *SMALL_PHYSICS)
+    fleet.ok("run", "fixed", "--generations", "1", "--provider", "openai")
+    worker = start(
+        fleet,
+        workers,
+        "w1",
+        OPENAI_API_KEY_FILE=str(key_file),
+        OUROBOROS_OPENAI_BASE_URL=stand_in.url,
+    )
+    wait_for(lambda: status_of(fleet, "fixed")["blocked"], 120, "the worker's refusal")
+    assert stand_in.received == []
+
+    key_file.write_text("sk-test-not-a-real-key\n")
+
+    # The worker's next advertisement turn (every 10 s) finds the key: well before the
+    # block's own retry time (60 s) the generation lands.
+    wait_for(lambda: generations(fleet, "fixed"), 45, "the generation after the fix")
+    assert "can serve openai now; cleared its block" in worker.text()
+    assert [r.path for r in stand_in.received] == ["/v1/responses"]
+    wait_for(lambda: status_of(fleet, "fixed")["stopped"] == "target reached", 60, "the run's end")
+    assert status_of(fleet, "fixed")["blocked"] is None
+    assert "sk-test-not-a-real-key" not in worker.text()
 
 
 def test_two_workers_with_different_price_settings_charge_a_lineage_alike(
