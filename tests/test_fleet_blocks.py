@@ -388,5 +388,9 @@ def test_status_and_the_web_ui_show_why_a_lineage_is_blocked_and_when_it_is_retr
         assert served.get("/api/lineages/shown").json()["summary"]["blocked"] == row["blocked"]
         for page in (served.get("/").text, served.get("/lineages/shown").text):
             assert "HTTP 503 &lt;b&gt;down&lt;/b&gt;; retried at " + retried in page
+        assert 'ouroboros_lineage_blocked{lineage="shown"} 1.0' in served.get("/metrics").text
+        # Its retry time come, it is being tried again: no longer counted as blocked.
+        leases.block(client, "shown", record.model_copy(update={"retry_at": since}))
+        assert 'ouroboros_lineage_blocked{lineage="shown"} 0.0' in served.get("/metrics").text
     finally:
         served.stop()
