@@ -45,7 +45,7 @@ from worker.instrument.index import read_index
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.keys import run_key, runs_prefix
 from worker.instrument.lineage import LineageMetadata, root_metadata
-from worker.instrument.model.catalogue import DEFAULT_MODELS, MODEL_SETTING, require_known
+from worker.instrument.model.catalogue import model_of, require_known
 from worker.instrument.model.prices import Prices, resolve_prices
 from worker.instrument.names import BRANCH_PREFIX
 from worker.instrument.records import LineageIndex
@@ -110,12 +110,7 @@ class Planner:
     def run_prices(self, provider: str, model: str | None) -> Prices:
         """What a run of ``provider``'s ``model`` costs; Refusal naming the setting to fix."""
         require_known(provider)
-        named = model or DEFAULT_MODELS.get(provider)
-        if named is None:
-            raise Refusal(
-                f"the {provider} provider needs a model name: set {MODEL_SETTING} or --model"
-            )
-        return resolve_prices(provider, named, self.settings)
+        return resolve_prices(provider, model_of(provider, model), self.settings)
 
     def start_run(
         self,
