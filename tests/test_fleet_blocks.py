@@ -180,6 +180,23 @@ def test_a_worker_restarted_after_a_provider_refusal_clears_it_and_a_running_one
     assert leases.blocked(rig.client, name) is None and enqueued == [name]
 
 
+def test_a_block_holds_one_printable_line_and_a_node_name_whatever_the_host_and_reason(
+    rig: Rig,
+) -> None:
+    name, _ = rig.lineage("odd-host")
+    rig.run(name, 1)
+    job = rig.planner.enqueue(name)
+    assert job is not None
+    reason = "first line\n\x1b[31msecond\tline " + "x" * 2000
+
+    record = blocks.block(rig.client, job, "w 1@host:9", queue_in(rig, name), "worker", reason)
+
+    assert record is not None and leases.blocked(rig.client, name) == record
+    assert record.node == "w_1@host_9"
+    assert record.reason.isprintable() and record.reason.startswith("first line ?[31msecond line")
+    assert len(record.reason) == 1000
+
+
 def test_a_marker_no_worker_wrote_is_removed_and_blocks_nothing(rig: Rig) -> None:
     name, _ = rig.lineage("forged")
     rig.run(name, 1)

@@ -57,7 +57,7 @@ def block(
         run_id=job.run_id,
         provider=job.provider,
         queue=queue,
-        node=node or "unknown",
+        node=leases.node_name(node),
         since=now,
         retry_at=None if retry_in is None else now + timedelta(seconds=retry_in),
         pauses=pauses,

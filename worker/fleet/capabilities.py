@@ -156,6 +156,7 @@ def advertise_forever(
 ) -> None:
     """Keep this worker's advertisement alive and re-check the lineages blocked on its queue."""
     started = datetime.now(UTC)
+    node = leases.node_name(node)
     served: set[str] | None = None
     while True:
         try:

@@ -218,6 +218,12 @@ def holder_name(pid: int | None = None) -> str:
     return f"{socket.gethostname()}:{_boot_id()}:{pid}:{_start_time(pid)}:{_pid_namespace()}"
 
 
+def node_name(hostname: str | None) -> str:
+    """A Celery node name as the records here hold one: what no pattern of theirs takes is
+    replaced (a host may be named anything)."""
+    return re.sub(r"[^A-Za-z0-9@._-]", "_", hostname or "unknown")[:200]
+
+
 def holder_dead(token: str) -> bool:
     """True if ``token``'s holder ran on this host, since this boot, in this pid namespace,
     and is gone. A holder this process cannot see (another pid namespace) is not dead."""

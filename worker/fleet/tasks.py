@@ -223,7 +223,8 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     @signals.worker_shutdown.connect(weak=False)
     def withdraw(sender: object = None, **_: object) -> None:
         with contextlib.suppress(redis.RedisError):
-            capabilities.withdraw(main_client(), str(getattr(sender, "hostname", sender)))
+            hostname = str(getattr(sender, "hostname", sender))
+            capabilities.withdraw(main_client(), leases.node_name(hostname))
 
     @signals.task_received.connect(weak=False)
     def on_fetched(request: Request, **_: object) -> None:
