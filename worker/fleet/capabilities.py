@@ -163,6 +163,8 @@ def advertise_forever(
             served = advertise_once(node, queue, settings, client(), started, served, enqueue)
         except redis.RedisError as exc:
             log.warning("cannot advertise this worker now (%s)", exc)
+        except Exception:  # in a thread nobody joins: say it, and advertise again next turn
+            log.exception("advertising this worker failed; trying again")
         time.sleep(ADVERT_SECONDS / 3)
 
 
