@@ -204,6 +204,12 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             daemon=True,
         ).start()
 
+    @cache
+    def advert_planner() -> Planner:
+        # The advertising thread's own: a planner's repository cache is not shared
+        # between threads (the recoveries have theirs).
+        return planner_on(main_client())
+
     @signals.celeryd_after_setup.connect(weak=False)
     def advertise(sender: str, **_: object) -> None:
         """Advertise what this worker can serve, and re-check the lineages blocked on it."""
@@ -214,7 +220,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
                 instrument.queue,
                 settings,
                 main_client,
-                lambda lineage: _recover(main_planner, lineage, "once its block was cleared"),
+                lambda lineage: _recover(advert_planner, lineage, "once its block was cleared"),
             ),
             name="advertise",
             daemon=True,
