@@ -17,7 +17,7 @@ from lineage_support import SMALL_PHYSICS, Fleet, Worker, wait_for
 from test_fleet import assert_linear, generations, start
 from test_model_providers import StandIn, message, openai_response, output_text
 
-from worker.fleet import capabilities
+from worker.fleet import blocks, capabilities
 from worker.instrument.model.prices import builtin_prices
 
 # A vendor API on 127.0.0.1 (test_model_providers' fixture, for this module's tests too).
@@ -88,10 +88,14 @@ def test_a_worker_whose_key_file_appears_clears_its_block_and_the_run_goes_on(
 
     key_file.write_text("sk-test-not-a-real-key\n")
 
-    # The worker's next advertisement turn (every 10 s) finds the key: well before the
-    # block's own retry time (60 s) the generation lands.
-    wait_for(lambda: generations(fleet, "fixed"), 45, "the generation after the fix")
-    assert "can serve openai now; cleared its block" in worker.text()
+    # The worker's next advertisement turn (every 10 s) finds the key and clears the
+    # block, well before the block's own retry time (60 s); then the generation lands.
+    wait_for(
+        lambda: "can serve openai now; cleared its block" in worker.text(),
+        blocks.RECHECK_SECONDS - 10,
+        "the worker's re-check",
+    )
+    wait_for(lambda: generations(fleet, "fixed"), 240, "the generation after the fix")
     assert [r.path for r in stand_in.received] == ["/v1/responses"]
     wait_for(lambda: status_of(fleet, "fixed")["stopped"] == "target reached", 60, "the run's end")
     assert status_of(fleet, "fixed")["blocked"] is None
