@@ -76,7 +76,8 @@ def watch(
     workers: Workers | None = None,
     outage_limit: float = 600.0,
 ) -> list[LineageStatus]:
-    """Poll until every named lineage's run has stopped or is blocked; the final statuses.
+    """Poll until every named lineage's run has stopped or is blocked (not merely paused);
+    the final statuses.
 
     ``workers`` is a fresh answer the caller already has (else the broker is asked).
     Raises NoWorker when a lineage has waited ``give_up_after`` seconds with no live
@@ -124,7 +125,8 @@ def watch(
                 )
                 _announce(status, said, unserved_since, now, progress.console)
             # A blocked lineage cannot advance until an operator acts: waiting is pointless.
-            if all(status.stopped or status.blocked for status in statuses):
+            # A paused one resumes by itself.
+            if all(status.stopped or _needs_operator(status) for status in statuses):
                 return statuses
             for status in statuses:
                 since = unserved_since.get(status.lineage)
@@ -176,6 +178,10 @@ def _outages(
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _needs_operator(status: LineageStatus) -> bool:
+    return status.blocked is not None and status.blocked_kind != "unavailable"
 
 
 def _announce(

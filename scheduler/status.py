@@ -2,10 +2,11 @@
 
 Owns the status of each lineage (target, done, in flight, last outcome and whether
 its model calls all failed, the run's generations so marked, deaths, spend,
-observation backlog, which live workers serve the lineage's instrument queue, with
-the sentence a waiting user is told when none does (see ``scheduler.liveness``), and
-its genealogy) and the scheduler's planner, which sends jobs through a client Celery
-app (``worker.fleet.app``; the worker's own app is never loaded here).
+observation backlog, what blocks or pauses it and when it is tried again, which live
+workers serve the lineage's instrument queue, with the sentence a waiting user is told
+when none does (see ``scheduler.liveness``), and its genealogy) and the scheduler's
+planner, which sends jobs through a client Celery app (``worker.fleet.app``; the
+worker's own app is never loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from datetime import datetime
 from decimal import Decimal
 from functools import cached_property
 from typing import TYPE_CHECKING, TypeVar
@@ -91,7 +93,11 @@ class LineageStatus(BaseModel):
     stopped: str | None
     # From the broker.
     in_flight: str | None
+    # What blocks or pauses the lineage, and what happens next (``leases.Block.describe``).
     blocked: str | None
+    blocked_kind: str | None = None
+    # When the lineage is planned again by itself; None while blocked: only once fixed.
+    retry_at: datetime | None = None
     queue: str | None
     instrument_fingerprint: str | None
     # Hostnames of the live workers consuming ``queue``; None when they were not asked (no
@@ -194,6 +200,11 @@ class Fleet:
             else None
         )
         mine = [e for e in index if run and e.run_id == run.run_id]
+        block = (
+            self._ask("broker", outages, lambda: leases.blocked(planner.client, lineage))
+            if self.broker_up
+            else None
+        )
         row = LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -216,9 +227,9 @@ class Fleet:
             budget_usd=run.budget_usd if run else None,
             stopped=progress.stopped if progress else None,
             in_flight=in_flight,
-            blocked=self._ask("broker", outages, lambda: leases.blocked(planner.client, lineage))
-            if self.broker_up
-            else None,
+            blocked=block.describe() if block else None,
+            blocked_kind=block.kind if block else None,
+            retry_at=block.retry_at if block else None,
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
             workers=None,

@@ -88,6 +88,9 @@ class LineageSummary(BaseModel):
     observed: int
     backlog: int | None
     run: Progress | None
+    # What blocks or pauses it and when it is tried again (from the broker; None when
+    # nothing does, or the broker was not asked).
+    blocked: str | None = None
     # The lineage it was forked from (None: a root) and the lineages forked from it.
     parent: Parentage | None = None
     children: list[str] = []

@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -239,7 +240,17 @@ def test_enqueue_sends_nothing_for_a_cancelled_run(rig: Rig) -> None:
 def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
     name, _ = rig.lineage("blocked")
     rig.run(name, 3)
-    leases.block(rig.client, name, "no worker serves this instrument", 60)
+    since = datetime.now(UTC)
+    record = leases.Block(
+        kind="worker",
+        reason="no worker serves this instrument",
+        provider="scripted",
+        queue="gen." + "0" * 12,
+        node="w1@host",
+        since=since,
+        retry_at=since + timedelta(seconds=60),
+    )
+    leases.block(rig.client, name, record)
     assert rig.planner.enqueue(name) is None
     assert rig.sent.calls == []
 

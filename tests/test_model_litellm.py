@@ -143,11 +143,14 @@ def keys(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(variable, raising=False)
 
 
-def peer_settings(litellm_url: str, **values: Any) -> Settings:
+def peer_settings(litellm_url: str, provider: str, model: str, **values: Any) -> Settings:
+    """Every provider pointed at the proxy; the explicit prices are those of ``model``."""
     return Settings(
         anthropic_base_url=litellm_url,
         openai_base_url=f"{litellm_url}/v1",
         openai_compatible_base_url=litellm_url,
+        model_provider=provider,
+        model_name=model,
         **PRICES,
         **values,
     )
@@ -187,7 +190,7 @@ def test_each_provider_is_answered_by_the_real_peer_with_exact_tokens_and_cost(
     text: str,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    chosen = make_provider(provider, model, peer_settings(litellm_url))
+    chosen = make_provider(provider, model, peer_settings(litellm_url, provider, model))
 
     with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT) as broker:
         answer = ask(broker.socket_path)
@@ -209,7 +212,9 @@ def test_each_provider_is_answered_by_the_real_peer_with_exact_tokens_and_cost(
 def test_a_chat_reply_cut_without_usage_says_max_tokens_and_is_charged_its_reservation(
     litellm_url: str, tmp_path: Path
 ) -> None:
-    chosen = make_provider("openai-compatible", "chat-cut", peer_settings(litellm_url))
+    chosen = make_provider(
+        "openai-compatible", "chat-cut", peer_settings(litellm_url, "openai-compatible", "chat-cut")
+    )
 
     with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT) as broker:
         answer = ask(broker.socket_path, b"p", tokens=30)
@@ -226,7 +231,11 @@ def test_a_chat_reply_cut_without_usage_says_max_tokens_and_is_charged_its_reser
 
 
 def test_a_filtered_chat_reply_says_refused(litellm_url: str) -> None:
-    chosen = make_provider("openai-compatible", "chat-filtered", peer_settings(litellm_url))
+    chosen = make_provider(
+        "openai-compatible",
+        "chat-filtered",
+        peer_settings(litellm_url, "openai-compatible", "chat-filtered"),
+    )
 
     reply = chosen.generate("p", 10, 30, CONTEXT)
 
@@ -244,7 +253,7 @@ def test_a_filtered_chat_reply_says_refused(litellm_url: str) -> None:
 def test_the_peers_passing_errors_are_tried_again_then_answered_502_and_cost_nothing(
     litellm_url: str, tmp_path: Path, provider: str, model: str, status: int, kind: str
 ) -> None:
-    chosen = make_provider(provider, model, peer_settings(litellm_url))
+    chosen = make_provider(provider, model, peer_settings(litellm_url, provider, model))
     retry = RetryPolicy(max_attempts=3, first_backoff_seconds=0.05)
 
     with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT, retry=retry) as broker:
@@ -262,7 +271,7 @@ def test_a_wrong_key_is_refused_by_the_peer_not_tried_again_and_never_quoted(
     litellm_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong-key-0123456789")
-    chosen = make_provider("openai", "gpt-mock", peer_settings(litellm_url))
+    chosen = make_provider("openai", "gpt-mock", peer_settings(litellm_url, "openai", "gpt-mock"))
 
     with pytest.raises(ProviderUnavailable) as failure:
         chosen.generate("p", 10, 30, CONTEXT)

@@ -27,16 +27,17 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 from openai.types.completion_usage import CompletionUsage
 from openai.types.responses import (
-    Response,
-    ResponseOutputMessage,
     ResponseOutputRefusal,
-    ResponseOutputText,
     ResponseReasoningItem,
-    ResponseUsage,
 )
-from openai.types.responses.response import IncompleteDetails
-from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
-from support.vendor import Received, StandIn, running_stand_in
+from support.vendor import (
+    Received,
+    StandIn,
+    message,
+    openai_response,
+    output_text,
+    running_stand_in,
+)
 
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
@@ -114,46 +115,12 @@ def anthropic_message(
     ).model_dump(mode="json")
 
 
-def output_text(text: str) -> ResponseOutputText:
-    return ResponseOutputText(type="output_text", text=text, annotations=[])
-
-
 def refusal(text: str) -> ResponseOutputRefusal:
     return ResponseOutputRefusal(type="refusal", refusal=text)
 
 
-def message(*parts: ResponseOutputText | ResponseOutputRefusal) -> ResponseOutputMessage:
-    return ResponseOutputMessage(
-        id="msg_1", type="message", role="assistant", status="completed", content=list(parts)
-    )
-
-
 def reasoning() -> ResponseReasoningItem:
     return ResponseReasoningItem(id="rs_1", type="reasoning", summary=[])
-
-
-def openai_response(
-    output: list[Any], status: Any, *, usage: tuple[int, int], incomplete: Any = None
-) -> dict[str, Any]:
-    return Response(
-        id="resp_1",
-        created_at=1_767_225_600.0,
-        model="gpt-5.6",
-        object="response",
-        output=output,
-        parallel_tool_calls=False,
-        tool_choice="auto",
-        tools=[],
-        status=status,
-        incomplete_details=IncompleteDetails(reason=incomplete) if status == "incomplete" else None,
-        usage=ResponseUsage(
-            input_tokens=usage[0],
-            input_tokens_details=InputTokensDetails(cached_tokens=0, cache_write_tokens=0),
-            output_tokens=usage[1],
-            output_tokens_details=OutputTokensDetails(reasoning_tokens=usage[1]),
-            total_tokens=sum(usage),
-        ),
-    ).model_dump(mode="json")
 
 
 def chat_completion(
@@ -426,9 +393,12 @@ def test_openai_error_body_quoting_the_key_never_reaches_the_message(
 # --- openai-compatible ------------------------------------------------------------------
 
 
-def compatible_settings(stand_in: StandIn, **values: Any) -> Settings:
+def compatible_settings(stand_in: StandIn, model: str = "m", **values: Any) -> Settings:
+    """A free local server's settings: its explicit prices name it and ``model``."""
     return settings(
         openai_compatible_base_url=f"{stand_in.url}/v1",
+        model_provider="openai-compatible",
+        model_name=model,
         model_input_usd_per_mtok=0,
         model_output_usd_per_mtok=0,
         **values,
@@ -439,7 +409,9 @@ def test_openai_compatible_sends_chat_completions_without_a_key_when_none_is_set
     stand_in: StandIn,
 ) -> None:
     stand_in.reply = chat_completion("local answer", "stop", usage=(9, 4))
-    provider = make_provider("openai-compatible", "qwen3-32b", compatible_settings(stand_in))
+    provider = make_provider(
+        "openai-compatible", "qwen3-32b", compatible_settings(stand_in, "qwen3-32b")
+    )
 
     reply = provider.generate("local prompt", 77, 5, CONTEXT)
 
@@ -540,7 +512,12 @@ def test_openai_compatible_needs_base_url_model_and_explicit_prices(stand_in: St
         make_provider(
             "openai-compatible",
             "m",
-            settings(model_input_usd_per_mtok=0, model_output_usd_per_mtok=0),
+            settings(
+                model_provider="openai-compatible",
+                model_name="m",
+                model_input_usd_per_mtok=0,
+                model_output_usd_per_mtok=0,
+            ),
         )
     with pytest.raises(Refusal, match=r"OUROBOROS_MODEL_NAME or --model"):
         make_provider("openai-compatible", None, compatible_settings(stand_in))
@@ -578,6 +555,8 @@ def test_every_provider_takes_its_base_url_with_or_without_v1(
     field_name = name.replace("-", "_") + "_base_url"
     config = settings(
         **{field_name: stand_in.url + suffix},
+        model_provider=name,
+        model_name="m",
         model_input_usd_per_mtok=0,
         model_output_usd_per_mtok=0,
     )
@@ -592,6 +571,8 @@ def test_a_base_url_with_a_path_prefix_keeps_it(stand_in: StandIn) -> None:
     stand_in.reply = chat_completion("", "stop", usage=(1, 1))
     config = settings(
         openai_compatible_base_url=f"{stand_in.url}/gateway/openai/v1",
+        model_provider="openai-compatible",
+        model_name="m",
         model_input_usd_per_mtok=0,
         model_output_usd_per_mtok=0,
     )
@@ -773,15 +754,48 @@ def test_explicit_prices_serve_an_unrecognised_model_and_override_builtin_ones(
     custom = make_provider(
         "openai",
         "gpt-7-preview",
-        settings(model_input_usd_per_mtok=0.1, model_output_usd_per_mtok=0.3),
+        settings(
+            model_provider="openai",
+            model_name="gpt-7-preview",
+            model_input_usd_per_mtok=0.1,
+            model_output_usd_per_mtok=0.3,
+        ),
     )
-    half = make_provider("openai", "gpt-5.6", settings(model_input_usd_per_mtok=4))
+    # With no model named, the explicit prices are those of the provider's default model.
+    half = make_provider(
+        "openai", "gpt-5.6", settings(model_provider="openai", model_input_usd_per_mtok=4)
+    )
 
     assert (custom.input_usd_per_mtok, custom.output_usd_per_mtok) == (
         Decimal("0.1"),
         Decimal("0.3"),
     )
     assert (half.input_usd_per_mtok, half.output_usd_per_mtok) == (Decimal("4.0"), Decimal("30.00"))
+
+
+def test_explicit_prices_reprice_only_the_provider_and_model_they_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    local = settings(
+        model_provider="openai-compatible",
+        model_name="llama",
+        openai_compatible_base_url="http://127.0.0.1:1/v1",
+        model_input_usd_per_mtok=3,
+        model_output_usd_per_mtok=15,
+    )
+
+    named = make_provider("openai-compatible", "llama", local)
+    scripted = make_provider("scripted", None, local)
+    other_model = make_provider("openai", "gpt-5.6", local)
+
+    assert (named.input_usd_per_mtok, named.output_usd_per_mtok) == (Decimal(3), Decimal(15))
+    # The scripted stand-in's table prices are 1 and 5, GPT-5.6's 5 and 30.
+    assert (scripted.input_usd_per_mtok, scripted.output_usd_per_mtok) == (1, 5)
+    assert (other_model.input_usd_per_mtok, other_model.output_usd_per_mtok) == (5, 30)
+    with pytest.raises(Refusal) as unpriced:
+        make_provider("openai-compatible", "qwen", local)
+    assert "OUROBOROS_MODEL_NAME=qwen" in str(unpriced.value)
 
 
 def test_negative_explicit_price_is_refused() -> None:
@@ -903,6 +917,8 @@ def test_provider_objects_never_show_the_key(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(variable, KEY)
     config = settings(
         openai_compatible_base_url="http://127.0.0.1:1/v1",
+        model_provider="openai-compatible",
+        model_name="m",
         model_input_usd_per_mtok=0,
         model_output_usd_per_mtok=0,
     )

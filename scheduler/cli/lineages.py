@@ -200,13 +200,15 @@ def run(
     """Run N more generations of each lineage NAME (on the fleet, or --local)."""
     settings = load_settings()
     provider = provider or settings.model_provider
-    model = model or settings.model_name
+    # OUROBOROS_MODEL_NAME names the model of OUROBOROS_MODEL_PROVIDER, no other's.
+    model = model or (settings.model_name if provider == settings.model_provider else None)
     require_places(settings, write=local)
     if local:
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
     from scheduler.follow import NoWorker, SourceLost, describe, watch
     from scheduler.status import Fleet
+    from worker.fleet.capabilities import unservable
     from worker.fleet.runs import job_of, queue_of
 
     require_known(provider)
@@ -222,6 +224,13 @@ def run(
     metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
     for meta in metas.values():
         planner.require_deliverable(meta)
+    # Refused before any run is recorded: prices the run cannot be charged at, or live
+    # workers of which none can serve the provider (with none live, the run waits).
+    planner.run_prices(provider, model)
+    for queue in sorted({queue_of(meta) for meta in metas.values()}):
+        unserved = unservable(planner.client, queue, provider)
+        if unserved:
+            raise Refusal(unserved)
     # Whether live workers serve these queues: asked while the runs are recorded and
     # enqueued, and answered as soon as they all are (a second when one is not).
     pool = ThreadPoolExecutor(1, thread_name_prefix="ask-workers")
@@ -268,7 +277,7 @@ def run(
         sys.exit(130)
     for status in final:
         console.print(describe(status), highlight=False)
-    if any(status.blocked for status in final):
+    if any(status.blocked and not status.stopped for status in final):
         sys.exit(1)
 
 

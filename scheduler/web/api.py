@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from scheduler.reader import DEFAULT_PER_PAGE, MAX_PER_PAGE, parse_generation
 from scheduler.views import CompareView, FamilyView, GenerationView, LineageView, Overview
-from scheduler.web.deps import overview, reader_of, seed_sha
+from scheduler.web.deps import lineage_view, overview, reader_of, seed_sha
 
 
 class ErrorBody(BaseModel):
@@ -51,7 +51,7 @@ def lineage(
     per_page: int = Query(DEFAULT_PER_PAGE, ge=1, le=MAX_PER_PAGE),
 ) -> LineageView:
     """One lineage: metadata, physics, a page of its history (newest first), chart series."""
-    return reader_of(request).lineage(name, page, per_page)
+    return lineage_view(request, name, page, per_page)
 
 
 @router.get(

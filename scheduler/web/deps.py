@@ -2,8 +2,9 @@
 
 Owns reaching the app's reader, settings and live-workers provider from a request,
 the assembly of the overview (lineages from the reader, workers from the provider,
-and the queues running lineages wait on with no live worker) and the validation of
-URL parts the reader does not check itself.
+what blocks each lineage from the broker's markers when the broker answered, and
+the queues running lineages wait on with no live worker), the lineage view with its
+block, and the validation of URL parts the reader does not check itself.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+import redis
 from fastapi import Request
 
 from scheduler.liveness import Workers, start_hint
 from scheduler.reader import NotFound, Reader
-from scheduler.views import LineageSummary, Overview, QueueWait
+from scheduler.views import LineageSummary, LineageView, Overview, QueueWait
+from worker.fleet import leases
 from worker.fleet.settings import Settings
 from worker.instrument.names import queue_name
 
@@ -34,13 +37,36 @@ def workers_of(request: Request) -> Workers | None:
 
 def overview(request: Request) -> Overview:
     workers = workers_of(request)
-    lineages = reader_of(request).summaries()
+    found = _blocks(request, workers)
+    lineages = [
+        summary.model_copy(update={"blocked": found.get(summary.name)})
+        for summary in reader_of(request).summaries()
+    ]
     return Overview(
         lineages=lineages,
         broker=_broker(workers),
         workers=workers.workers if workers else [],
         waiting=_waits(request, lineages, workers) if workers else [],
     )
+
+
+def lineage_view(request: Request, name: str, page: int, per_page: int) -> LineageView:
+    """The lineage's view, with what blocks it."""
+    view = reader_of(request).lineage(name, page, per_page)
+    blocked = _blocks(request, workers_of(request)).get(name)
+    return view.model_copy(update={"summary": view.summary.model_copy(update={"blocked": blocked})})
+
+
+def _blocks(request: Request, workers: Workers | None) -> dict[str, str]:
+    """What blocks each lineage, in words; asked only of a broker that just answered."""
+    settings: Settings | None = request.app.state.settings
+    if settings is None or workers is None or not workers.reachable:
+        return {}
+    try:
+        found = leases.blocks(leases.redis_client(settings))
+    except (redis.RedisError, OSError):
+        return {}  # browsing never fails on the broker
+    return {name: record.describe() for name, record in found.items()}
 
 
 def _broker(workers: Workers | None) -> Literal["no broker", "inspected", "unreachable"]:

@@ -424,14 +424,15 @@ class FleetCollector(Collector):
         blocked = _per_lineage(
             GaugeMetricFamily,
             "ouroboros_lineage_blocked",
-            "1 while the lineage is blocked (see schedule-lineage status for why).",
+            "1 while the lineage is blocked or paused (see schedule-lineage status for why).",
         )
         counts = Counter[str]()
         for lineage in lineages:
             marks = {
                 "in_flight": leases.in_flight(client, lineage.name) is not None,
                 "running": leases.lease_held(client, lineage.name),
-                "blocked": leases.blocked(client, lineage.name) is not None,
+                # Not one being tried again now (its retry time has come).
+                "blocked": leases.blocking(client, lineage.name) is not None,
             }
             in_flight.add_metric([lineage.name], int(marks["in_flight"]))
             running.add_metric([lineage.name], int(marks["running"]))

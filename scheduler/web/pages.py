@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from scheduler.reader import DEFAULT_PER_PAGE, MAX_PER_PAGE, parse_generation
-from scheduler.web.deps import overview, reader_of, seed_sha
+from scheduler.web.deps import lineage_view, overview, reader_of, seed_sha
 from scheduler.web.render import templates
 
 router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
@@ -28,7 +28,7 @@ def lineage(
     page: int = Query(1, ge=1),
     per_page: int = Query(DEFAULT_PER_PAGE, ge=1, le=MAX_PER_PAGE),
 ) -> Response:
-    view = reader_of(request).lineage(name, page, per_page)
+    view = lineage_view(request, name, page, per_page)
     return templates.TemplateResponse(request, "lineage.html", {"view": view})
 
 

@@ -2,7 +2,7 @@
 
 It records each request and answers as told: a status and a JSON reply with headers,
 after a delay, a redirect, a reset connection, or nothing at all (a hung vendor, held
-until the stand-in stops).
+until the stand-in stops); and the Responses API's reply types it answers with.
 """
 
 from __future__ import annotations
@@ -18,6 +18,16 @@ from dataclasses import dataclass, field
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from openai.types.responses import (
+    Response,
+    ResponseOutputMessage,
+    ResponseOutputRefusal,
+    ResponseOutputText,
+    ResponseUsage,
+)
+from openai.types.responses.response import IncompleteDetails
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 
 @dataclass
@@ -106,3 +116,38 @@ def running_stand_in() -> Iterator[StandIn]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+# Replies in the Responses API's own types, for a stand-in to answer with.
+def output_text(text: str) -> ResponseOutputText:
+    return ResponseOutputText(type="output_text", text=text, annotations=[])
+
+
+def message(*parts: ResponseOutputText | ResponseOutputRefusal) -> ResponseOutputMessage:
+    return ResponseOutputMessage(
+        id="msg_1", type="message", role="assistant", status="completed", content=list(parts)
+    )
+
+
+def openai_response(
+    output: list[Any], status: Any, *, usage: tuple[int, int], incomplete: Any = None
+) -> dict[str, Any]:
+    return Response(
+        id="resp_1",
+        created_at=1_767_225_600.0,
+        model="gpt-5.6",
+        object="response",
+        output=output,
+        parallel_tool_calls=False,
+        tool_choice="auto",
+        tools=[],
+        status=status,
+        incomplete_details=IncompleteDetails(reason=incomplete) if status == "incomplete" else None,
+        usage=ResponseUsage(
+            input_tokens=usage[0],
+            input_tokens_details=InputTokensDetails(cached_tokens=0, cache_write_tokens=0),
+            output_tokens=usage[1],
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=usage[1]),
+            total_tokens=sum(usage),
+        ),
+    ).model_dump(mode="json")

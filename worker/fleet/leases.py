@@ -3,7 +3,9 @@
 Owns the Redis keys that save wasted work: a per-lineage lease held while a
 generation runs (so a duplicated message does not run the same life twice), an
 in-flight marker set when a job is enqueued (so the reconciler does not enqueue a
-second one) and a blocked marker with the reason a lineage cannot advance here.
+second one) and a blocked marker (``Block``): why a lineage cannot advance, which run
+and provider it concerns, and when it is tried again (never, for a provider's refusal:
+until a new run, ``cancel`` or a worker's re-check clears it).
 
 A lease names its holder (host, boot, pid, the process's start time and its pid
 namespace), so the redelivered copy of a job whose pool child was killed takes over the dead
@@ -22,8 +24,9 @@ Trusts nothing it reads back: anyone who reaches Redis may write these keys, so 
 holder record whose names are not the fleet's is removed, never logged raw or planned,
 and a key of another Redis type than the string the fleet writes there (which makes
 every command on it fail with WRONGTYPE) is removed and the command run again, as if
-the key had been absent (``_repairing``). Each key's name is spelled once, in the
-``*_key`` functions below.
+the key had been absent (``_repairing``), and a blocked marker that is not a ``Block``
+is removed and said once. Each key's name is spelled once, in the ``*_key`` functions
+below.
 
 Correctness never rests on these: the compare-and-swap push and the write-once
 observation make a lost lease or marker harmless. Losing all of Redis loses only
@@ -40,15 +43,18 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Literal, TypeVar, cast
 
 import redis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from redis.typing import EncodableT
 
 from worker.fleet.settings import Settings
+from worker.instrument.model.catalogue import PROVIDER_NAMES
 from worker.instrument.names import is_lineage_name
 
 PREFIX = "ouroboros"
@@ -63,6 +69,7 @@ _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
 # A pid is at most pid_max (2**22): seven digits.
 _PID = re.compile(r"[0-9]{1,7}")
 _HOLDERS = f"{PREFIX}:holder:"
+_BLOCKED = f"{PREFIX}:blocked:"
 _T = TypeVar("_T")
 
 
@@ -83,7 +90,7 @@ def holder_key(lineage: str) -> str:
 
 def blocked_key(lineage: str) -> str:
     """Why the lineage cannot advance here, while it is blocked."""
-    return f"{PREFIX}:blocked:{lineage}"
+    return f"{_BLOCKED}{lineage}"
 
 
 def cancel_key(lineage: str, run_id: str) -> str:
@@ -213,6 +220,12 @@ def holder_name(pid: int | None = None) -> str:
     """
     pid = pid or os.getpid()
     return f"{socket.gethostname()}:{_boot_id()}:{pid}:{_start_time(pid)}:{_pid_namespace()}"
+
+
+def node_name(hostname: str | None) -> str:
+    """A Celery node name as the records here hold one: what no pattern of theirs takes is
+    replaced (a host may be named anything)."""
+    return re.sub(r"[^A-Za-z0-9@._-]", "_", hostname or "unknown")[:200]
 
 
 def holder_dead(token: str) -> bool:
@@ -472,10 +485,123 @@ def cancel_requested(client: redis.Redis, lineage: str, run_id: str) -> bool:
     return _get(client, cancel_key(lineage, run_id)) is not None
 
 
-def block(client: redis.Redis, lineage: str, reason: str, ttl_seconds: int) -> None:
-    client.set(blocked_key(lineage), reason, ex=ttl_seconds)
+# What blocks a lineage: a worker refused its job (a key, a price or the instrument
+# missing there), the provider refused the generation's calls (401, 403, 404, an unknown
+# model), or the provider stayed unavailable through every retry (the run is paused).
+BlockKind = Literal["worker", "refused", "unavailable"]
+# A marker that is tried again is kept this long past its retry time, so the next pause
+# of the same run finds how many came before it, and status says it is being retried.
+_KEPT_AFTER_RETRY_SECONDS = 24 * 3600
 
 
-def blocked(client: redis.Redis, lineage: str) -> str | None:
-    value = _get(client, blocked_key(lineage))
-    return value.decode() if value else None
+class Block(BaseModel):
+    """Why a lineage cannot advance now, for which run and provider, and until when."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: BlockKind
+    reason: str = Field(min_length=1, max_length=1000)
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,80}$")
+    provider: Literal[PROVIDER_NAMES]  # type: ignore[valid-type]
+    queue: str = Field(pattern=r"^gen\.[0-9a-f]{12}$")
+    # The worker that set it (its Celery node name).
+    node: str = Field(pattern=r"^[A-Za-z0-9@._-]{1,200}$")
+    since: datetime
+    # When the lineage is planned again by itself; None: only once the cause is fixed.
+    retry_at: datetime | None = None
+    # How many pauses of this run came one after another (each one twice as long).
+    pauses: int = Field(0, ge=0, le=64)
+
+    @field_validator("reason")
+    @classmethod
+    def _one_printable_line(cls, value: str) -> str:
+        # Read back from a Redis anyone may write, and shown on terminals and pages.
+        if not value.isprintable():
+            raise ValueError("not one printable line")
+        return value
+
+    def due(self, now: datetime | None = None) -> bool:
+        """Whether its retry time has come (never, for one that waits for a fix)."""
+        return self.retry_at is not None and self.retry_at <= (now or datetime.now(UTC))
+
+    def describe(self) -> str:
+        """What blocks the lineage, and when or how it is tried again, in one line."""
+        if self.retry_at is None:
+            when = ""
+        elif self.due():
+            when = "; being retried now"
+        else:
+            when = f"; retried at {self.retry_at:%Y-%m-%d %H:%M:%S} UTC"
+        if self.kind == "refused":
+            return (
+                f"blocked: the {self.provider} provider refused: {self.reason}; fix it and "
+                "restart the workers, start a new run, or cancel the run"
+            )
+        if self.kind == "unavailable":
+            return f"paused: the {self.provider} provider is unavailable: {self.reason}{when}"
+        return f"blocked: worker {self.node} refused: {self.reason}{when}"
+
+
+def block(client: redis.Redis, lineage: str, record: Block) -> None:
+    """Mark ``lineage`` blocked; kept until a fix clears it, or a day past its retry time."""
+    value = record.model_dump_json()
+    if record.retry_at is None:
+        client.set(blocked_key(lineage), value)
+        return
+    left = (record.retry_at - datetime.now(UTC)).total_seconds()
+    client.set(blocked_key(lineage), value, ex=max(1, int(left)) + _KEPT_AFTER_RETRY_SECONDS)
+
+
+def blocked(client: redis.Redis, lineage: str) -> Block | None:
+    """The lineage's blocked marker, if there is one (one no worker wrote is removed)."""
+    return _block_at(client, blocked_key(lineage))
+
+
+def blocking(client: redis.Redis, lineage: str) -> Block | None:
+    """The lineage's blocked marker while it still holds the lineage back (not yet due)."""
+    record = blocked(client, lineage)
+    return None if record is None or record.due() else record
+
+
+def blocks(client: redis.Redis) -> dict[str, Block]:
+    """Every lineage's blocked marker."""
+    found = {}
+    for key in client.scan_iter(f"{_BLOCKED}*"):
+        lineage = key.decode(errors="replace").removeprefix(_BLOCKED)
+        if not is_lineage_name(lineage):
+            client.delete(key)
+            log.warning("removed a blocked marker that no worker wrote: %r", key)
+            continue
+        record = _block_at(client, key)
+        if record is not None:
+            found[lineage] = record
+    return found
+
+
+_UNBLOCK = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+
+
+def unblock(client: redis.Redis, lineage: str, record: Block | None = None) -> bool:
+    """Clear the lineage's blocked marker (only if it is still ``record``, when given)."""
+    if record is None:
+        # Read first: a key of another type is removed (and said) like any other here.
+        return _get(client, blocked_key(lineage)) is not None and bool(
+            client.delete(blocked_key(lineage))
+        )
+    return bool(_eval(client, _UNBLOCK, [blocked_key(lineage)], record.model_dump_json()))
+
+
+def _block_at(client: redis.Redis, key: str | bytes) -> Block | None:
+    value = _get(client, key)
+    if value is None:
+        return None
+    try:
+        return Block.model_validate_json(value)
+    except ValidationError:
+        # Written by someone else, or by an older release (a bare reason): never shown
+        # raw, and gone at once rather than blocking the lineage for good.
+        client.delete(key)
+        log.warning("removed a blocked marker that is not a worker's: %r", key)
+        return None

@@ -8,7 +8,11 @@ lands) and the reconciler (after a lost message, a Redis restart or a dead worke
 plan through ``Planner.enqueue``; a duplicate it may cause is harmless. What the
 reconciler enqueues was lost to a fault, so it is sent to the front of its queue. A store
 outage does not stop a reconcile pass: each lineage whose record cannot be read is
-skipped, and the outage is logged once when it starts and once when it ends.
+skipped, and the outage is logged once when it starts and once when it ends. A new run
+and a cancellation clear the lineage's blocked marker (``leases.Block``): whatever
+blocked the old run is the user's to find again, not a reason to refuse the new one.
+A run is started with its model's prices (this process's settings, else the built-in
+table), which its every job carries.
 
 Trusts: the shared repository, the observation store and the broker.
 """
@@ -41,6 +45,8 @@ from worker.instrument.index import read_index
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.keys import run_key, runs_prefix
 from worker.instrument.lineage import LineageMetadata, root_metadata
+from worker.instrument.model.catalogue import model_of, require_known
+from worker.instrument.model.prices import Prices, resolve_prices
 from worker.instrument.names import BRANCH_PREFIX, is_lineage_name
 from worker.instrument.records import LineageIndex
 from worker.instrument.store import ObservationStore, StoreUnavailable
@@ -111,6 +117,11 @@ class Planner:
         mine = self.index(run.lineage, since=run.start_generation + 1).generations
         return run_progress(run, self.generation_count(run.lineage, head), mine)
 
+    def run_prices(self, provider: str, model: str | None) -> Prices:
+        """What a run of ``provider``'s ``model`` costs; Refusal naming the setting to fix."""
+        require_known(provider)
+        return resolve_prices(provider, model_of(provider, model), self.settings)
+
     def start_run(
         self,
         lineage: str,
@@ -120,7 +131,9 @@ class Planner:
         model: str | None,
         budget: Decimal,
     ) -> RunRecord:
-        """Record a new run of ``lineage`` from ``head``; it replaces any active run."""
+        """Record a new run of ``lineage`` from ``head``; it replaces any active run and
+        clears the lineage's blocked marker."""
+        prices = self.run_prices(provider, model)
         current = self.generation_count(lineage, head)
         run = RunRecord(
             run_id=new_run_id(),
@@ -131,6 +144,7 @@ class Planner:
             provider=provider,
             model=model,
             budget_usd=budget,
+            prices=prices,
         )
         previous = self.latest_run(lineage)
         if previous is not None and previous.status == "active":
@@ -143,9 +157,12 @@ class Planner:
                 self.client, lineage, previous.run_id, self.settings.visibility_timeout_seconds
             )
         self.save_run(run)
+        leases.unblock(self.client, lineage)
         return run
 
     def cancel(self, lineage: str) -> RunRecord | None:
+        """Cancel the lineage's active run (None if it has none); its blocked marker goes."""
+        leases.unblock(self.client, lineage)
         run = self.latest_run(lineage)
         if run is None or run.status != "active":
             return None
@@ -229,11 +246,12 @@ class Planner:
     def enqueue(
         self, lineage: str, job: GenerationJob | None = None, *, first: bool = False
     ) -> GenerationJob | None:
-        """Enqueue ``job`` (or the planned next one) unless one is in flight or blocked."""
+        """Enqueue ``job`` (or the planned next one) unless one is in flight, or the lineage
+        is blocked and not yet due to be tried again."""
         if (
             leases.in_flight(self.client, lineage)
             or leases.lease_held(self.client, lineage)
-            or leases.blocked(self.client, lineage)
+            or leases.blocking(self.client, lineage)
         ):
             return None
         job = job or self.plan(lineage)

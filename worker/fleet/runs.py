@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, computed_field
 
 from worker.instrument.job import GenerationJob
 from worker.instrument.lineage import LineageMetadata
+from worker.instrument.model.prices import Prices
 from worker.instrument.names import queue_name
 from worker.instrument.records import IndexEntry
 
@@ -45,6 +46,10 @@ class RunRecord(BaseModel):
     budget_usd: Decimal
     status: RunStatus = "active"
     cancelled_at: datetime | None = None
+    # What the run's model costs, fixed when it started (the scheduler's settings or the
+    # built-in table) and sent with every job: each worker charges it alike. None in the
+    # records of older releases: each worker then charges its own prices.
+    prices: Prices | None = None
 
 
 # Time for fetch, decode, commit, push and the observation after the life ends.
@@ -115,4 +120,5 @@ def job_of(run: RunRecord, head: str, remaining_usd: Decimal) -> GenerationJob:
         target_generation=run.target_generation,
         budget_usd=remaining_usd,
         enqueued_at=datetime.now(UTC),
+        prices=run.prices,
     )

@@ -19,6 +19,11 @@ when they start and once when they end). Its Redis clients and its sends wait ou
 broker restart (``leases.OUTLAST_RESTART``, ``PUBLISH_RETRY``): a life that lands
 while Redis restarts releases its lease and sends its follow-up once Redis is back.
 
+A thread of its own advertises which model providers this worker can serve and
+re-checks the lineages blocked on its queue (``worker.fleet.capabilities``). A refusal
+here, or a generation whose model calls failed at the provider, blocks or pauses the
+lineage and sends no follow-up (``worker.fleet.blocks``).
+
 Trusts: its settings, its instrument and the broker. Trusts no message: the transport
 (``worker.fleet.transport``) drops whatever is not a JSON Celery message of a task this
 queue carries, and a payload that is not a valid job is rejected with a logged reason;
@@ -46,7 +51,7 @@ from celery.worker.request import Request
 from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
-from worker.fleet import embedded_redis, leases
+from worker.fleet import blocks, capabilities, embedded_redis, leases
 from worker.fleet.app import (
     CONTROL_QUEUE,
     GENERATION_TASK,
@@ -68,7 +73,6 @@ from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.pipeline import Pipeline
 from worker.instrument.store import StoreUnavailable
 
-BLOCKED_SECONDS = 300
 # How often a worker looks for jobs whose holder died on its host: a few cheap Redis
 # calls, against a lineage otherwise stalled until its marker and lease expire.
 SWEEP_SECONDS = 1.0
@@ -153,12 +157,13 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             log.info("stale job %s: %s", request.id, exc)
         except Refusal as exc:
             log.error("%s cannot advance here: %s", job.lineage, exc)
-            leases.block(client, job.lineage, str(exc), BLOCKED_SECONDS)
+            blocks.block(client, job, request.hostname, instrument.queue, "worker", str(exc))
             _plan_next(planner(), job, None)
             return "refused"
-        _plan_next(planner(), job, report)
         if report is None:
+            _plan_next(planner(), job, None)
             return "stale"
+        _after_landing(client, planner(), job, report, request.hostname, instrument.queue)
         log.info("%s gen %d: %s %s", job.lineage, report.generation, report.outcome, report.commit)
         return report.outcome
 
@@ -202,6 +207,34 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             name="markers",
             daemon=True,
         ).start()
+
+    @cache
+    def advert_planner() -> Planner:
+        # The advertising thread's own: a planner's repository cache is not shared
+        # between threads (the recoveries have theirs).
+        return planner_on(main_client())
+
+    @signals.celeryd_after_setup.connect(weak=False)
+    def advertise(sender: str, **_: object) -> None:
+        """Advertise what this worker can serve, and re-check the lineages blocked on it."""
+        threading.Thread(
+            target=capabilities.advertise_forever,
+            args=(
+                sender,
+                instrument.queue,
+                settings,
+                main_client,
+                lambda lineage: _recover(advert_planner, lineage, "once its block was cleared"),
+            ),
+            name="advertise",
+            daemon=True,
+        ).start()
+
+    @signals.worker_shutdown.connect(weak=False)
+    def withdraw(sender: object = None, **_: object) -> None:
+        with contextlib.suppress(redis.RedisError):
+            hostname = str(getattr(sender, "hostname", sender))
+            capabilities.withdraw(main_client(), leases.node_name(hostname))
 
     @signals.task_received.connect(weak=False)
     def on_fetched(request: Request, **_: object) -> None:
@@ -274,6 +307,23 @@ def _plan_next(planner: Planner, job: GenerationJob, report: GenerationReport | 
         log.warning("%s: cannot plan now (%s); the reconciler will", job.lineage, exc)
 
 
+def _after_landing(
+    client: redis.Redis,
+    planner: Planner,
+    job: GenerationJob,
+    report: GenerationReport,
+    node: str | None,
+    queue: str,
+) -> None:
+    """What follows a generation that landed: its follow-up, unless the provider failed."""
+    if report.model_failure is not None:
+        # The provider failed, not the organism: no follow-up to burn the run on.
+        blocks.stop_for_provider(client, job, report, node, queue)
+        return
+    blocks.clear_if_over(client, job.lineage)
+    _plan_next(planner, job, report)
+
+
 def _keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
     try:
         leases.keep_marker(client, lineage, job_id, ttl_seconds)
@@ -313,15 +363,17 @@ def _watch_markers(
                 fetched.pop(job_id, None)
 
 
-def _recover(planner: Callable[[], Planner], lineage: str) -> None:
-    """Enqueue a released lineage's next job now, at the front of its queue.
+def _recover(
+    planner: Callable[[], Planner], lineage: str, why: str = "after its holder died"
+) -> None:
+    """Enqueue a released (or unblocked) lineage's next job now, at the front of its queue.
 
     The reconciler would, at its next pass; a duplicate of the dead holder's message,
     should the broker return it later, is harmlessly stale or busy.
     """
     try:
         if planner().enqueue(lineage, first=True) is not None:
-            log.info("%s: re-enqueued after its holder died", lineage)
+            log.info("%s: re-enqueued %s", lineage, why)
     except (StoreUnavailable, redis.RedisError, OperationalError, GitError, Refusal) as exc:
         log.warning("%s: cannot re-enqueue now (%s); the reconciler will", lineage, exc)
     except Exception:  # in a pool thread whose future nobody reads: say it, or it is lost

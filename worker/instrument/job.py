@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
+from worker.instrument.model.prices import Prices
 from worker.instrument.names import COMMIT_PATTERN, LineageName
 from worker.instrument.records import ModelFailure, Outcome
 
@@ -36,6 +37,10 @@ class GenerationJob(BaseModel):
     target_generation: int | None = Field(None, ge=1)
     budget_usd: Decimal | None = Field(None, ge=0, description="what the run has left")
     enqueued_at: datetime | None = None
+    # The prices the run was started with: every worker charges the run's generations
+    # alike, whatever its own settings say. None (a job of an older scheduler, or
+    # ``run --local``): the worker's own prices for the provider and model.
+    prices: Prices | None = None
 
 
 class GenerationReport(BaseModel):

@@ -198,7 +198,7 @@ class Pipeline:
         meta = root_metadata(self.cache, parent, job.lineage)
         check_continuable(meta, self.instrument, self.instrument_commit)
         generation = 1 + self.cache.history(job.lineage, parent).generations
-        provider = make_provider(job.provider, job.model, self.settings)
+        provider = make_provider(job.provider, job.model, self.settings, job.prices)
         tree = self.cache.tree(parent)
         blobs: dict[str, bytes] = {}
         kept = self._journals.get(job.lineage)

@@ -1,7 +1,8 @@
 """The catalogue of model providers: their names, default models and the settings naming them.
 
 Owns the one list of provider names that the job contract, the CLI and the
-providers share, and the refusal of a name not on it. Pure data: importing it costs
+providers share, the refusal of a name not on it, and the rule naming a run's model
+(the provider's default when none is given). Pure data: importing it costs
 nothing and reaches no vendor.
 """
 
@@ -26,3 +27,11 @@ def require_known(name: str) -> None:
             f"unknown model provider {name!r}: set {PROVIDER_SETTING} or --provider to "
             f"one of {', '.join(PROVIDER_NAMES)}"
         )
+
+
+def model_of(provider: str, model: str | None) -> str:
+    """The model asked for, else the provider's default; Refusal when it has none."""
+    named = model or DEFAULT_MODELS.get(provider)
+    if not named:
+        raise Refusal(f"the {provider} provider needs a model name: set {MODEL_SETTING} or --model")
+    return named

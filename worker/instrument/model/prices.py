@@ -5,8 +5,11 @@ Decimal arithmetic that turns token counts into dollars. The built-in table cove
 the recognised models of each provider at their published, uncached, standard-tier
 prices; any other model needs explicit prices (``OUROBOROS_MODEL_INPUT_USD_PER_MTOK``
 and ``OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK``) rather than a guess, because the
-spending ceiling is only as hard as the price behind it. Update the table when
-providers change their prices. Trusts: the settings it is given.
+spending ceiling is only as hard as the price behind it. Explicit prices belong to
+the one provider and model the settings name (``OUROBOROS_MODEL_PROVIDER`` and
+``OUROBOROS_MODEL_NAME``, or that provider's default model): prices set for a local
+server never reprice another provider's calls. Update the table when providers
+change their prices. Trusts: the settings it is given.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from decimal import Decimal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worker.instrument.errors import Refusal
+from worker.instrument.model.catalogue import DEFAULT_MODELS, MODEL_SETTING, PROVIDER_SETTING
 from worker.instrument.settings import InstrumentSettings
 
 INPUT_PRICE_SETTING = "OUROBOROS_MODEL_INPUT_USD_PER_MTOK"
@@ -83,15 +87,23 @@ def builtin_prices(provider: str, model: str) -> Prices | None:
     return table.get(model) or table.get(_SNAPSHOT_SUFFIX.sub("", model))
 
 
+def explicit_prices_apply(provider: str, model: str, settings: InstrumentSettings) -> bool:
+    """Whether the explicit price settings name this provider and model."""
+    named = settings.model_name or DEFAULT_MODELS.get(settings.model_provider)
+    return provider == settings.model_provider and model == named
+
+
 def resolve_prices(provider: str, model: str, settings: InstrumentSettings) -> Prices:
-    """Explicit prices where given, else the built-in ones; Refusal when either is unknown.
+    """Explicit prices where given for this provider and model, else the built-in ones;
+    Refusal when either is unknown.
 
     Each explicit setting overrides its half of the built-in price on its own, so a
     negotiated input price can be set without restating the output price.
     """
     builtin = builtin_prices(provider, model)
-    explicit_input = settings.model_input_usd_per_mtok
-    explicit_output = settings.model_output_usd_per_mtok
+    applies = explicit_prices_apply(provider, model, settings)
+    explicit_input = settings.model_input_usd_per_mtok if applies else None
+    explicit_output = settings.model_output_usd_per_mtok if applies else None
     input_usd = _decimal(explicit_input) if explicit_input is not None else None
     output_usd = _decimal(explicit_output) if explicit_output is not None else None
     if builtin is not None:
@@ -101,7 +113,8 @@ def resolve_prices(provider: str, model: str, settings: InstrumentSettings) -> P
         raise Refusal(
             f"no built-in prices for model {model!r} of provider {provider!r}: set "
             f"{INPUT_PRICE_SETTING} and {OUTPUT_PRICE_SETTING} (USD per million tokens; "
-            "0 for a free local server)"
+            f"0 for a free local server) with {PROVIDER_SETTING}={provider} and "
+            f"{MODEL_SETTING}={model}, the provider and model they price"
         )
     try:
         return Prices(input_usd_per_mtok=input_usd, output_usd_per_mtok=output_usd)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from worker.instrument.errors import Refusal
-from worker.instrument.model.catalogue import DEFAULT_MODELS, MODEL_SETTING, require_known
+from worker.instrument.model.catalogue import model_of, require_known
 from worker.instrument.model.credentials import Credential
 from worker.instrument.model.prices import Prices, resolve_prices
 from worker.instrument.model.retry import retry_after_seconds, should_retry
@@ -463,24 +463,25 @@ HTTP_PROVIDERS: dict[str, type[_HTTPProvider]] = {
 }
 
 
-def make_provider(name: str, model: str | None, settings: InstrumentSettings) -> Provider:
+def make_provider(
+    name: str, model: str | None, settings: InstrumentSettings, prices: Prices | None = None
+) -> Provider:
     """The configured provider, or a Refusal saying which setting to fix.
 
     Checked here, before any sandbox starts: the provider name, its key (present and
     usable; read again at each call), the model, its prices and the base URL. With
     no model, the provider's default model is used; openai-compatible has none.
+    prices: the run's own (they travel with its jobs); None: this worker's.
     """
     require_known(name)
     if name == "scripted":
-        model = model or DEFAULT_MODELS[name]
-        prices = resolve_prices(name, model, settings)
+        model = model_of(name, model)
+        prices = prices or resolve_prices(name, model, settings)
         return ScriptedProvider(model, prices, settings.scripted_latency_seconds)
     provider = HTTP_PROVIDERS[name]
     provider.read_key()
-    model = model or DEFAULT_MODELS.get(name)
-    if not model:
-        raise Refusal(f"the {name} provider needs a model name: set {MODEL_SETTING} or --model")
-    prices = resolve_prices(name, model, settings)
+    model = model_of(name, model)
+    prices = prices or resolve_prices(name, model, settings)
     base_url = _base_url(settings, provider.base_url_field)
     if provider is OpenAICompatibleProvider:
         return OpenAICompatibleProvider(

@@ -1,0 +1,142 @@
+"""Blocked lineages and run prices with real Celery workers: what a user meets.
+
+Real ``celery -A worker worker`` processes on a private database of the machine's
+Redis, the real pipeline (bwrap, Emacs, cgroups, git) and a file observation store;
+the CLI as a subprocess. The rules themselves are tested fast in ``test_fleet_blocks``.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import pytest
+import redis
+import test_model_providers
+from support.fleet import SMALL_PHYSICS, Fleet, Worker, wait_for
+from support.lives import assert_linear, generations, start
+from support.vendor import StandIn, message, openai_response, output_text
+
+from worker.fleet import blocks, capabilities
+from worker.instrument.model.prices import builtin_prices
+
+# A vendor API on 127.0.0.1 (test_model_providers' fixture, for this module's tests too).
+stand_in = test_model_providers.stand_in
+pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
+
+
+def status_of(fleet: Fleet, lineage: str) -> dict[str, object]:
+    rows = json.loads(fleet.ok("status", lineage, "--json").stdout)
+    return rows[0]  # type: ignore[no-any-return]
+
+
+def advertised(fleet: Fleet) -> list[str]:
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    return [key.decode() for key in client.scan_iter(capabilities.advert_key("*"))]
+
+
+def test_a_keyless_worker_blocks_a_run_status_says_why_and_a_new_run_clears_it(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "newcomer", *SMALL_PHYSICS)
+    # No worker is up: the run is recorded, and waits for one (it may bring the key).
+    fleet.ok("run", "newcomer", "--generations", "2", "--provider", "openai")
+    worker = start(fleet, workers, "w1")
+
+    blocked = wait_for(
+        lambda: (row := status_of(fleet, "newcomer"))["blocked"] and row, 120, "the refusal"
+    )
+    assert blocked["blocked_kind"] == "worker" and blocked["retry_at"] is not None
+    assert "OPENAI_API_KEY is not set" in str(blocked["blocked"])
+    assert "newcomer cannot advance here: OPENAI_API_KEY is not set" in worker.text()
+
+    # Live workers serve the queue and none has the key: refused at once, nothing recorded.
+    wait_for(lambda: advertised(fleet), 60, "the worker's advertisement")
+    refused = fleet.cli("run", "newcomer", "--generations", "1", "--provider", "openai")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert "no live worker on gen." in refused.stderr and "provider openai" in refused.stderr
+    assert status_of(fleet, "newcomer")["run_id"] == blocked["run_id"]
+
+    # A run of a provider the worker serves is not refused with the old reason.
+    fleet.ok("run", "newcomer", "--generations", "2", "--wait", timeout=300)
+
+    assert_linear(fleet, "newcomer", 2)
+    final = status_of(fleet, "newcomer")
+    assert final["blocked"] is None and final["stopped"] == "target reached"
+    assert "Traceback" not in worker.text()
+
+
+def test_a_worker_whose_key_file_appears_clears_its_block_and_the_run_goes_on(
+    fleet: Fleet, workers: list[Worker], stand_in: StandIn
+) -> None:
+    stand_in.reply = openai_response(
+        [message(output_text('(message "hello from the stand-in")'))], "completed", usage=(40, 9)
+    )
+    key_file = fleet.home / "openai.key"
+    fleet.ok("init", "fixed", *SMALL_PHYSICS)
+    fleet.ok("run", "fixed", "--generations", "1", "--provider", "openai")
+    worker = start(
+        fleet,
+        workers,
+        "w1",
+        OPENAI_API_KEY_FILE=str(key_file),
+        OUROBOROS_OPENAI_BASE_URL=stand_in.url,
+    )
+    wait_for(lambda: status_of(fleet, "fixed")["blocked"], 120, "the worker's refusal")
+    assert stand_in.received == []
+
+    key_file.write_text("sk-test-not-a-real-key\n")
+
+    # The worker's next advertisement turn (every 10 s) finds the key and clears the
+    # block, well before the block's own retry time (60 s); then the generation lands.
+    wait_for(
+        lambda: "can serve openai now; cleared its block" in worker.text(),
+        blocks.RECHECK_SECONDS - 10,
+        "the worker's re-check",
+    )
+    wait_for(lambda: generations(fleet, "fixed"), 240, "the generation after the fix")
+    assert [r.path for r in stand_in.received] == ["/v1/responses"]
+    wait_for(lambda: status_of(fleet, "fixed")["stopped"] == "target reached", 60, "the run's end")
+    assert status_of(fleet, "fixed")["blocked"] is None
+    assert "sk-test-not-a-real-key" not in worker.text()
+
+
+def test_two_workers_with_different_price_settings_charge_a_lineage_alike(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "priced", *SMALL_PHYSICS)
+    unpriced = fleet.cli(
+        "run", "priced", "--generations", "1", "--provider", "openai-compatible", "--model", "x"
+    )
+    assert unpriced.returncode == 2, unpriced.stdout + unpriced.stderr
+    assert "OUROBOROS_MODEL_INPUT_USD_PER_MTOK" in unpriced.stderr
+    assert unpriced.stderr.count("\n") == 1
+
+    # The first worker's own prices for the scripted model are a hundred times the table's.
+    dear = start(
+        fleet,
+        workers,
+        "dear",
+        OUROBOROS_MODEL_INPUT_USD_PER_MTOK="100",
+        OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK="500",
+    )
+    fleet.ok("run", "priced", "--generations", "1", "--wait", timeout=300)
+    dear.stop()
+    workers.remove(dear)
+    start(fleet, workers, "plain")
+    fleet.ok("run", "priced", "--generations", "1", "--wait", timeout=300)
+
+    assert_linear(fleet, "priced", 2)
+    table = builtin_prices("scripted", "scripted")
+    assert table is not None
+    for generation in (1, 2):
+        observation = fleet.observation("priced", generation)
+        calls = observation["model_calls"]
+        assert isinstance(calls, list) and calls, observation
+        for call in calls:
+            expected = table.cost_usd(call["input_tokens"], call["output_tokens"])
+            assert Decimal(str(call["cost_usd"])) == expected, (generation, call)
+        assert Decimal(str(observation["spent_usd"])) == sum(
+            (Decimal(str(call["cost_usd"])) for call in calls), Decimal(0)
+        )
