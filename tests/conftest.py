@@ -13,9 +13,10 @@ import errno
 import fcntl
 import itertools
 import os
+import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
@@ -23,7 +24,10 @@ import pytest
 import redis
 from support.browse import Served, serve_sample_and_hostile
 from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, PrivateRedis, Worker
+from support.rig import Rig, Sent
 
+from worker.fleet import assembly, leases
+from worker.fleet.planner import Planner
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
 
@@ -205,3 +209,50 @@ def machine_to_itself(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         os.close(handle)
+
+
+# The planner's rules on the machine's Redis (database 0, which the slow suite never
+# flushes), each test's lineages unique: test_fleet_rules and test_fleet_blocks.
+MACHINE_REDIS_DB0 = f"{MACHINE_REDIS}/0"
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(MACHINE_REDIS_DB0)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def unique(client: redis.Redis) -> Iterator[Callable[[str], str]]:
+    """Lineage names no other test (or concurrent run) uses; their Redis keys go afterwards."""
+    made: list[str] = []
+
+    def name(stem: str) -> str:
+        made.append(f"{stem}-{secrets.token_hex(6)}")
+        return made[-1]
+
+    yield name
+    for lineage in made:
+        for pattern in (f"{leases.PREFIX}:*:{lineage}", f"{leases.PREFIX}:*:{lineage}:*"):
+            for key in client.scan_iter(match=pattern):
+                client.delete(key)
+
+
+@pytest.fixture
+def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Rig:
+    settings = Settings(
+        home=tmp_path / "home",
+        broker_url=MACHINE_REDIS_DB0,
+        visibility_timeout_seconds=7200,
+        inflight_ttl_seconds=300,
+    )
+    sent = Sent()
+    planner = Planner(
+        settings=settings,
+        store=assembly.observation_store(settings),
+        cache=assembly.lineage_cache(settings, "scheduler"),
+        client=client,
+        send=sent,
+    )
+    return Rig(planner=planner, sent=sent, client=client, name=unique)

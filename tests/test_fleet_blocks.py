@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import redis
-import test_fleet_rules
 from support.browse import Served
 from support.fleet import SMALL_PHYSICS, Fleet, wait_for
 from support.rig import Rig, report
@@ -33,12 +32,11 @@ from worker.instrument.job import GenerationJob, ModelFailure
 from worker.instrument.lineage import root_metadata
 from worker.instrument.model.prices import Prices, builtin_prices
 
-# The fixtures of test_fleet_rules, for this module's tests too.
-client = test_fleet_rules.client
-unique = test_fleet_rules.unique
-rig = test_fleet_rules.rig
 NODE = "w1@test-host"
 KEY_VARIABLES = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "OPENAI_COMPATIBLE_API_KEY")
+
+# Real Redis and a real store for every rule here.
+pytestmark = [pytest.mark.full]
 
 
 @pytest.fixture(autouse=True)

@@ -8,21 +8,26 @@ the CLI as a subprocess. The rules themselves are tested fast in ``test_fleet_bl
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from decimal import Decimal
 
 import pytest
 import redis
-import test_model_providers
 from support.fleet import SMALL_PHYSICS, Fleet, Worker, wait_for
 from support.lives import assert_linear, generations, start
-from support.vendor import StandIn, message, openai_response, output_text
+from support.vendor import StandIn, message, openai_response, output_text, running_stand_in
 
 from worker.fleet import blocks, capabilities
 from worker.instrument.model.prices import builtin_prices
 
-# A vendor API on 127.0.0.1 (test_model_providers' fixture, for this module's tests too).
-stand_in = test_model_providers.stand_in
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    """A vendor API on 127.0.0.1."""
+    with running_stand_in() as state:
+        yield state
 
 
 def status_of(fleet: Fleet, lineage: str) -> dict[str, object]:

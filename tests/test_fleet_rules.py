@@ -12,11 +12,10 @@ lineage names of its own and deletes their keys afterwards.
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -24,12 +23,10 @@ from pathlib import Path
 import pytest
 import redis
 from support.fleet import MACHINE_REDIS, PrivateRedis
-from support.rig import HEAD, INSTRUMENT, PHYSICS, WHEN, Rig, Sent, dead_holder, entry, report
+from support.rig import HEAD, INSTRUMENT, PHYSICS, WHEN, Rig, dead_holder, entry, report
 
 from scheduler.cli.lineages import until_next_pass
 from worker.fleet import leases
-from worker.fleet.assembly import lineage_cache, observation_store
-from worker.fleet.planner import Planner
 from worker.fleet.runs import RunRecord, hard_time_limit, job_of, queue_of, run_progress
 from worker.fleet.settings import Settings
 
@@ -37,48 +34,6 @@ REDIS_URL = f"{MACHINE_REDIS}/0"
 
 
 # -- Redis, names and the fake send --------------------------------------------------------
-
-
-@pytest.fixture
-def client() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def unique(client: redis.Redis) -> Iterator[Callable[[str], str]]:
-    """Lineage names no other test (or concurrent run) uses; their Redis keys go afterwards."""
-    made: list[str] = []
-
-    def name(stem: str) -> str:
-        made.append(f"{stem}-{secrets.token_hex(6)}")
-        return made[-1]
-
-    yield name
-    for lineage in made:
-        for pattern in (f"{leases.PREFIX}:*:{lineage}", f"{leases.PREFIX}:*:{lineage}:*"):
-            for key in client.scan_iter(match=pattern):
-                client.delete(key)
-
-
-@pytest.fixture
-def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Rig:
-    settings = Settings(
-        home=tmp_path / "home",
-        broker_url=REDIS_URL,
-        visibility_timeout_seconds=7200,
-        inflight_ttl_seconds=300,
-    )
-    sent = Sent()
-    planner = Planner(
-        settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
-        client=client,
-        send=sent,
-    )
-    return Rig(planner=planner, sent=sent, client=client, name=unique)
 
 
 def run_record(**changes: object) -> RunRecord:

@@ -40,7 +40,13 @@ from worker.instrument.records import LineageIndex, ModelFailure
 
 KEY = "sk-standin-0123456789abcdef-SECRET"
 CONTEXT = GenerationContext(lineage="demo", generation=1, organism_source="(message 1)\n")
-PRICES = {"model_input_usd_per_mtok": 1, "model_output_usd_per_mtok": 2}
+# Explicit prices name the provider and model they are for.
+PRICES = {
+    "model_provider": "openai-compatible",
+    "model_name": "chat-model",
+    "model_input_usd_per_mtok": 1,
+    "model_output_usd_per_mtok": 2,
+}
 QUICK = RetryPolicy(max_attempts=3, first_backoff_seconds=0.01, max_backoff_seconds=0.05)
 UNKNOWN_MODEL = {"error": {"type": "invalid_request_error", "message": f"no model; key {KEY}"}}
 CHAT_ANSWER = {
