@@ -24,6 +24,7 @@ import pytest
 import redis
 from support.browse import Served, serve_sample_and_hostile
 from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, PrivateRedis, Worker
+from support.litellm import running_proxy
 from support.rig import Rig, Sent
 
 from worker.fleet import assembly, leases
@@ -256,3 +257,10 @@ def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Ri
         send=sent,
     )
     return Rig(planner=planner, sent=sent, client=client, name=unique)
+
+
+@pytest.fixture(scope="session")
+def litellm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The base URL of a LiteLLM proxy answering from mocks, for the whole session."""
+    with running_proxy(tmp_path_factory.mktemp("litellm")) as url:
+        yield url

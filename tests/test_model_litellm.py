@@ -7,7 +7,7 @@ Chat Completions (``/v1/chat/completions``), and the error shapes its mocks prod
 (429 in the OpenAI and the Anthropic shape, 500, a reply cut at the limit without
 usage, a filtered one). Its cost map is the local copy and its telemetry is off, so
 nothing leaves the machine. What LiteLLM cannot produce (a 429 with retry-after,
-529, resets, stalls) is served by the local stand-ins of ``test_model_providers.py``.
+529, resets, stalls) is served by the local stand-in of ``support.vendor``.
 
 The proxy's master key is the provider key here: the tests check it never reaches a
 log, an error, an audit record or an answer to the organism.
@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from support.fleet import SMALL_PHYSICS, Fleet, free_port, http_answers, terminate, wait_for
+from support.fleet import SMALL_PHYSICS, Fleet
+from support.litellm import KEY
 
 from worker.fleet.settings import Settings
 from worker.instrument.model.ledger import FRAMING_TOKENS
@@ -41,97 +37,9 @@ from worker.instrument.physics import Physics
 # Full tier: LiteLLM's proxy runs as a process of its own.
 pytestmark = pytest.mark.full
 
-KEY = "sk-litellm-test-0123456789abcdef-SECRET"
 KEY_VARIABLES = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "OPENAI_COMPATIBLE_API_KEY")
 CONTEXT = GenerationContext(lineage="peer", generation=1, organism_source='(message "hi")\n')
-START_SECONDS = 180
 PRICES = {"model_input_usd_per_mtok": 3, "model_output_usd_per_mtok": 15}
-
-
-def mock(name: str, vendor: str, response: object) -> dict[str, object]:
-    return {
-        "model_name": name,
-        "litellm_params": {
-            "model": f"{vendor}/{name}",
-            "api_key": "unused",
-            "mock_response": response,
-        },
-    }
-
-
-def cut_reply(finish_reason: str, content: str) -> dict[str, object]:
-    """A Chat Completions mock without usage, which the API allows."""
-    return {
-        "choices": [
-            {
-                "index": 0,
-                "finish_reason": finish_reason,
-                "message": {"role": "assistant", "content": content},
-            }
-        ]
-    }
-
-
-# Only Chat Completions takes a whole reply as its mock; the other two protocols answer
-# with text, or fail as the named LiteLLM exception says.
-MODELS = [
-    mock("claude-mock", "anthropic", "(anthropic answer)"),
-    mock("claude-rate-limited", "anthropic", "litellm.RateLimitError"),
-    mock("gpt-mock", "openai", "(responses answer)"),
-    mock("chat-mock", "openai", "(chat answer)"),
-    mock("chat-cut", "openai", cut_reply("length", "(defun cut")),
-    mock("chat-filtered", "openai", cut_reply("content_filter", "")),
-    mock("chat-rate-limited", "openai", "litellm.RateLimitError"),
-    mock("chat-broken", "openai", "litellm.InternalServerError"),
-]
-
-
-@pytest.fixture(scope="session")
-def litellm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The base URL of a LiteLLM proxy answering from mocks, for the whole session."""
-    home = tmp_path_factory.mktemp("litellm")
-    config = home / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model_list": MODELS,
-                "litellm_settings": {"telemetry": False, "num_retries": 0},
-                "router_settings": {"num_retries": 0},
-            }
-        )
-    )
-    port = free_port()
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(home),
-        "LITELLM_MASTER_KEY": KEY,
-        # The cost map shipped in the package, not one fetched from the network.
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "LITELLM_TELEMETRY": "False",
-        "NO_PROXY": "*",
-    }
-    log_path = home / "litellm.log"
-    command = [str(Path(sys.executable).with_name("litellm")), "--config", str(config)]
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            [*command, "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            cwd=home,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(
-            lambda: http_answers(f"{url}/health/liveliness", server, log_path, "litellm"),
-            START_SECONDS,
-            f"litellm on {url}",
-            0.5,
-        )
-        yield url
-    finally:
-        terminate(server, 20)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,116 @@
+"""The path a newcomer walks, end to end, on the README's own set-up.
+
+The README's first command (``scripts/demo.sh``, set-up already done), then on the same
+home what the README tells a user to start for real work: one ``celery -A worker
+worker`` on the embedded Redis, no reconciler, and a real model server (LiteLLM's proxy)
+reached with a mistyped key. The run must stop with the provider's reason instead of
+writing one false generation after another, say so in ``status``, and finish once the
+key is fixed and the worker restarted, with nobody running anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from support.fleet import SMALL_PHYSICS, Fleet, Worker, wait_for
+from support.litellm import KEY
+
+from worker.fleet import embedded_redis
+from worker.fleet.settings import Settings
+
+pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parent.parent
+WRONG_KEY = "sk-mistyped-0123456789"
+GENERATIONS = 3
+
+
+def status_of(fleet: Fleet, lineage: str) -> dict[str, object]:
+    rows = json.loads(fleet.ok("status", lineage, "--json").stdout)
+    return rows[0]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def newcomer(tmp_path: Path, litellm_url: str) -> Fleet:
+    """A home on the embedded default, speaking to LiteLLM as openai-compatible."""
+    return Fleet(
+        tmp_path,
+        OUROBOROS_MODEL_PROVIDER="openai-compatible",
+        OUROBOROS_MODEL_NAME="chat-mock",
+        OUROBOROS_OPENAI_COMPATIBLE_BASE_URL=f"{litellm_url}/v1",
+        OUROBOROS_MODEL_INPUT_USD_PER_MTOK="0",
+        OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK="0",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="2",
+    )
+
+
+def test_the_demo_then_a_mistyped_key_stops_the_run_with_the_reason_and_the_fixed_key_finishes_it(
+    newcomer: Fleet,
+) -> None:
+    demo = subprocess.run(
+        [str(ROOT / "scripts" / "demo.sh")],
+        env={**newcomer.env, "OUROBOROS_MODEL_PROVIDER": "scripted", "DEMO_GENERATIONS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "Traceback" not in demo.stderr
+    demos = json.loads(newcomer.ok("status", "--json").stdout)
+    assert len(demos) == 3
+    assert all(row["generation"] == 2 for row in demos), demos
+    # The demo stops what it started: no daemon outlives it.
+    assert not embedded_redis.running(Settings(home=newcomer.home / ".ouroboros"))
+
+    newcomer.ok("init", "real", *SMALL_PHYSICS)
+    wrong = Worker(newcomer, "wrong", OPENAI_COMPATIBLE_API_KEY=WRONG_KEY)
+    try:
+        wrong.wait_ready()
+        newcomer.ok("run", "real", "--generations", str(GENERATIONS))
+
+        blocked = wait_for(
+            lambda: (row := status_of(newcomer, "real"))["blocked_kind"] == "refused" and row,
+            180,
+            "the run blocked by the provider's refusal",
+        )
+        # One generation lived without its model, marked as such; none after it.
+        assert newcomer.subjects("real") == [
+            "gen 1: no-change (model unavailable: 1 call failed)",
+            "seed",
+        ]
+        assert "HTTP 4" in str(blocked["blocked"]), blocked
+        assert WRONG_KEY not in json.dumps(blocked)
+        assert WRONG_KEY not in wrong.text()
+        table = newcomer.ok("status", "real", COLUMNS="160").stdout
+        assert "model unavailable" in table, table
+    finally:
+        wrong.stop()
+    assert newcomer.subjects("real")[0].startswith("gen 1: ")
+
+    fixed = Worker(newcomer, "fixed", OPENAI_COMPATIBLE_API_KEY=KEY)
+    try:
+        fixed.wait_ready()
+        wait_for(
+            lambda: len(newcomer.subjects("real")) == GENERATIONS + 1,
+            300,
+            f"the run to reach generation {GENERATIONS} after the key was fixed",
+        )
+        final = wait_for(
+            lambda: (row := status_of(newcomer, "real"))["in_flight"] is None and row,
+            60,
+            "nothing in flight",
+        )
+    finally:
+        fixed.stop()
+    subjects = newcomer.subjects("real")
+    assert [s for s in subjects[:-2] if "model unavailable" in s] == [], subjects
+    assert final["blocked"] is None, final
+    assert final["generation"] == GENERATIONS
+    for generation in range(2, GENERATIONS + 1):
+        observation = newcomer.observation("real", generation)
+        assert observation["model_failure"] is None
+        assert KEY not in json.dumps(observation)
+    embedded_redis.stop(Settings(home=newcomer.home / ".ouroboros"))
