@@ -25,6 +25,7 @@ from scheduler.genealogy import Genealogy, genealogy
 from scheduler.liveness import Workers, ask, start_hint, waiting_line
 from worker.fleet import embedded_redis, leases
 from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.orphans import Unacked
 from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
@@ -87,7 +88,13 @@ class Fleet:
             cache=lineage_cache(self.settings, "scheduler"),
             client=leases.redis_client(self.settings),
             send=self._send,
+            unacked=self._unacked,
         )
+
+    def _unacked(self) -> Unacked:
+        from worker.fleet.app import unacked_keys
+
+        return unacked_keys(self.app)
 
     def _send(
         self, job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool

@@ -396,6 +396,12 @@ def in_flight(client: redis.Redis, lineage: str) -> str | None:
     return value.decode() if value else None
 
 
+def holder_record(client: redis.Redis, lineage: str) -> str | None:
+    """The lineage's holder record: ``<job id> <holder name>``, as anyone may have written it."""
+    value = _get(client, holder_key(lineage))
+    return value.decode(errors="replace") if value else None
+
+
 # Both read before either goes (see _repairing).
 _CLEAR = (
     "local marker = redis.call('get', KEYS[1]) "

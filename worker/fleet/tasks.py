@@ -53,6 +53,7 @@ from worker.fleet.app import (
     client_app,
     sender,
     serve,
+    unacked_keys,
 )
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
 from worker.fleet.outage import Outage, probe
@@ -107,6 +108,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             cache=lineage_cache(settings),
             client=client,
             send=sender(app),
+            unacked=lambda: unacked_keys(app),
         )
 
     @cache
