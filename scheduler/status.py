@@ -1,11 +1,11 @@
 """The scheduler's handle on the fleet, and the status of each lineage it reports.
 
 Owns the status of each lineage (target, done, in flight, last outcome, deaths,
-spend, observation backlog, which live workers serve the lineage's instrument
-queue, with the sentence a waiting user is told when none does (see
-``scheduler.liveness``), and its genealogy) and the scheduler's planner, which sends
-jobs through a client Celery app (``worker.fleet.app``; the worker's own app is never
-loaded here).
+spend, observation backlog, why a run that wants more has nothing in flight, which
+live workers serve the lineage's instrument queue, with the sentence a waiting user is
+told when none does (see ``scheduler.liveness``), and its genealogy) and the
+scheduler's planner, which sends jobs through a client Celery app (``worker.fleet.app``;
+the worker's own app is never loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 
@@ -53,6 +53,8 @@ class LineageStatus(BaseModel):
     observation_backlog: int
     stopped: str | None
     blocked: str | None
+    # Why a run that wants more has nothing in flight, and what brings it back; None otherwise.
+    stalled: str | None
     queue: str | None
     instrument_fingerprint: str | None
     # Hostnames of the live workers consuming ``queue``; None when they were not asked (no
@@ -138,6 +140,13 @@ class Fleet:
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
         in_flight = leases.in_flight(planner.client, lineage)
+        blocked = leases.blocked(planner.client, lineage)
+        stalled = (
+            "nothing in flight: the next reconcile turn of a live worker (every "
+            f"{self.settings.reconcile_interval_seconds:g} s) sends its next job"
+            if progress and progress.stopped is None and not (in_flight or blocked)
+            else None
+        )
         row = LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -153,7 +162,8 @@ class Fleet:
             # Only fleet lineages are observed; an imported one owes no observations.
             observation_backlog=max(0, generation - len(index)) if queue else 0,
             stopped=progress.stopped if progress else None,
-            blocked=leases.blocked(planner.client, lineage),
+            blocked=blocked,
+            stalled=stalled,
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
             workers=None,

@@ -314,3 +314,20 @@ def test_one_worker_at_a_time_has_the_reconcile_turn_and_the_next_comes_after_th
         assert not second.take()
     wait_for(second.take, 5, "the next turn", 0.05)
     assert not first.take()
+
+
+def test_status_never_calls_a_run_that_wants_more_with_nothing_in_flight_idle(
+    fleet: Fleet,
+) -> None:
+    fleet.ok("init", "lost", "--seed", str(seed_file(fleet.home, WRITES_STATE)), *SMALL_PHYSICS)
+    fleet.ok("run", "lost", "--generations", "2")
+    # Its job lost with every key (Redis without its data), and no worker yet.
+    redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"]).flushdb()
+    (row,) = json.loads(fleet.ok("status", "lost", "--json").stdout)
+    assert row["in_flight"] is None and row["stopped"] is None
+    assert row["stalled"] == (
+        "nothing in flight: the next reconcile turn of a live worker (every 1 s) sends its next job"
+    )
+    table = fleet.ok("status", "lost", COLUMNS="300").stdout
+    assert "idle" not in table
+    assert "no live worker serves" in table

@@ -49,7 +49,9 @@ def _table(rows: list[LineageStatus]) -> Table:
     table.add_column("genealogy")
     table.columns[0].no_wrap = True
     for row in rows:
-        state = row.blocked or row.stopped or ("running" if row.in_flight else "idle")
+        state = (
+            row.blocked or row.stopped or ("running" if row.in_flight else row.stalled or "idle")
+        )
         if row.queue is None:
             state = "imported (browse only)"
         if row.waiting_for_instrument:
