@@ -27,6 +27,7 @@ is the lineage's own marker is ever acted on.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import redis
 
 from worker.fleet import leases
 
+log = logging.getLogger("ouroboros.reconcile")
 # How many delivered messages one pass reads: at most one job per lineage is in flight.
 SCAN_LIMIT = 10_000
 
@@ -49,11 +51,16 @@ class Unacked:
 def delivered_before(client: redis.Redis, unacked: Unacked, deadline: float) -> dict[str, str]:
     """Task id -> delivery tag of each message delivered before ``deadline`` (a Unix time)
     and not acknowledged since."""
-    tags = client.zrangebyscore(unacked.index, "-inf", deadline, start=0, num=SCAN_LIMIT)
-    if not tags:
+    try:
+        tags = client.zrangebyscore(unacked.index, "-inf", deadline, start=0, num=SCAN_LIMIT)
+        entries = client.hmget(unacked.hash, tags) if tags else []
+    except redis.ResponseError as exc:
+        # Keys of another type, written by someone else: kombu fails on them too. The
+        # pass goes on without orphans rather than not at all.
+        log.warning("cannot read the broker's unacked messages (%s)", exc)
         return {}
     found: dict[str, str] = {}
-    for tag, raw in zip(tags, client.hmget(unacked.hash, tags), strict=True):
+    for tag, raw in zip(tags, entries, strict=True):
         task_id = _task_id(raw)
         if task_id is not None:
             found[task_id] = tag.decode(errors="replace")
