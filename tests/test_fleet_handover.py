@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lineage_support import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, seed_file, wait_for
+from lineage_support import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, grab, seed_file, wait_for
 from test_fleet import SLOW, WRITES_STATE, assert_linear, generations, start
 from test_fleet_rules import Rig
 
@@ -49,28 +49,6 @@ RECONCILE = 1
 # Beyond lease + one reconcile interval: a worker's start-up, a life and its publication
 # on a loaded 2-core machine. Before the fix the pre-receipt kill waited an hour.
 MARGIN = 45
-
-# A consumer of one queue through kombu's own Redis transport, as a worker's main process
-# consumes it (prefetch 1, acknowledged late): it takes one message and is SIGKILLed in
-# the callback, where Celery would run task_received. kombu has already moved the message
-# into its unacked hash; nothing else has been written.
-GRABBER = """
-import os, signal, sys
-from kombu import Connection, Consumer, Exchange, Queue
-from worker.fleet.settings import Settings
-
-name = sys.argv[1]
-queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
-
-def taken(body, message):
-    print(message.headers["id"], flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-with Connection(Settings().broker) as connection:
-    with Consumer(connection, [queue], callbacks=[taken], accept=["json"], prefetch_count=1):
-        while True:
-            connection.drain_events(timeout=120)
-"""
 
 # The scheduler's own planner starting a run, killed between sending the job and
 # extending its claim to inflight_ttl_seconds.
@@ -94,21 +72,6 @@ head = planner.cache.fetch(name)
 record = planner.start_run(name, head, 1, "scripted", None, Decimal("1"))
 planner.enqueue(name, job_of(record, head, record.budget_usd))
 """
-
-
-def grab(env: dict[str, str], cwd: Path, queue: str) -> str:
-    """A kombu consumer takes the next message of ``queue`` and is killed holding it;
-    the task id it took."""
-    done = subprocess.run(
-        [sys.executable, "-c", GRABBER, queue],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    return done.stdout.strip()
 
 
 def queue_name(fleet: Fleet, lineage: str) -> str:
@@ -256,6 +219,10 @@ def test_an_unacked_job_whose_holder_registered_it_is_never_taken_from_it(
     assert planner.reconcile() == []
     assert leases.in_flight(client, lineage) == job_id
     assert client.hlen("unacked") == 2
+    # A sorted set replaced by a string: the pass goes on, without orphans.
+    client.delete("unacked_index")
+    client.set("unacked_index", "not a sorted set")
+    assert planner.reconcile() == []
 
 
 @pytest.mark.parametrize("appendonly", [True, False], ids=["aof", "data-lost"])
