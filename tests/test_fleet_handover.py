@@ -14,7 +14,9 @@ The pre-receipt kill, the one that left a lineage claimed for an hour, is also r
 20 times in a row against the planner's reconcile pass on a private Redis, each freed
 after the lease and not before. Also: Redis away for 25 s (twice the worker's old
 retry window) while a life lands, with its data kept and with every key lost; the run
-still reaches its target with no reconciler process started.
+still reaches its target with no reconciler process started. And the pieces: a job its
+holder registered is never taken from it, garbage in ``unacked`` is skipped, one worker
+at a time has the reconcile turn, and ``status`` never calls a stalled run ``idle``.
 """
 
 from __future__ import annotations
