@@ -85,6 +85,10 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     """The app of a sandbox host: its tasks, its queues and its start-up, for ``instrument``."""
     app = client_app(settings, amqp=ScreeningAMQP)
     app.conf.task_publish_retry_policy = PUBLISH_RETRY
+    # Celery's consumer gives up after 100 attempts (about 3 minutes at the transport's
+    # pacing) and the worker exits; a worker waits out a broker outage of any length,
+    # and its reconcile turns resend what the outage lost once Redis is back.
+    app.conf.broker_connection_max_retries = None
     serve(app, instrument.queue)
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
