@@ -11,8 +11,11 @@ from ``--faults``, comes every ``--every`` seconds:
 * ``kill-main``, ``kill-child``, ``kill-tree``: SIGKILL a worker's main process, one of
   its pool children (one holding a lease when there is one) or its whole process group;
   a killed worker is restarted at once, as systemd's ``Restart=always`` would;
-* ``fetch-kill``: a worker whose pool child is stopped fetches a job and is killed
-  before the child can claim it (the exact instant, not a random one);
+* ``fetch-kill``: at one of two exact instants of the hand-over, in turn: a worker whose
+  pool child is stopped fetches a job and is killed before the child can claim it
+  (after ``task_received``), or a kombu consumer takes a job off the queue and is
+  killed in its callback, before ``task_received`` (the message in ``unacked``, no
+  holder record: only the reconcile pass frees it, after the lease);
 * ``redis-aof`` / ``redis-lost``: SIGKILL Redis and restart it with its append-only
   file, or with its data deleted;
 * ``store-outage``: the proxy refuses every connection to the store for ``--outage``
@@ -62,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import PYTHON, SMALL_PHYSICS, BenchFleet, bench_args, machine_note, median, wait_for
-from support.fleet import MotoServer, Switch, Worker, task_envelope
+from support.fleet import MotoServer, Switch, Worker, grab, task_envelope
 
 FAULTS = (
     "kill-main",
@@ -175,6 +178,7 @@ class Soak:
         self.unexpected_exits = 0
         self.heads: dict[str, tuple[str | None, int]] = {}
         self.reconciler: subprocess.Popen[bytes] | None = None
+        self.fetch_kills = 0
 
     # -- the fleet ----------------------------------------------------------------
 
@@ -285,6 +289,13 @@ class Soak:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGKILL)
             fault.ended = time.monotonic()
+        elif kind == "fetch-kill" and self.pre_receipt():
+            try:
+                job_id = grab(self.bench.env, self.root, self.queue(), wait=60)
+            except (AssertionError, subprocess.TimeoutExpired):
+                return None
+            fault.ended = time.monotonic()
+            hit = [name for name in self.lineages if job_id.startswith(f"{name}.")]
         elif kind == "fetch-kill":
             worker = self.start_worker(-1, concurrency=1)
             for child in self._children(worker):
@@ -327,6 +338,11 @@ class Soak:
         fault.resuming = dict(fault.waiting)
         fault.hit = len(hit)
         return fault
+
+    def pre_receipt(self) -> bool:
+        """Whether this fetch-kill comes before ``task_received`` (every other one does)."""
+        self.fetch_kills += 1
+        return self.fetch_kills % 2 == 1
 
     def drops(self) -> int:
         """Garbage messages the workers logged as dropped."""

@@ -2,11 +2,12 @@
 
 Owns the status of each lineage (target, done, in flight, last outcome and whether
 its model calls all failed, the run's generations so marked, deaths, spend,
-observation backlog, what blocks or pauses it and when it is tried again, which live
-workers serve the lineage's instrument queue, with the sentence a waiting user is told
-when none does (see ``scheduler.liveness``), and its genealogy) and the scheduler's
-planner, which sends jobs through a client Celery app (``worker.fleet.app``; the
-worker's own app is never loaded here).
+observation backlog, what blocks or pauses it and when it is tried again, why a run
+that wants more has nothing in flight, which live workers serve the lineage's
+instrument queue, with the sentence a waiting user is told when none does (see
+``scheduler.liveness``), and its genealogy) and the scheduler's planner, which sends
+jobs through a client Celery app (``worker.fleet.app``; the worker's own app is never
+loaded here).
 Progress is always derived from the shared repository and the observation store;
 Redis contributes only in-flight hints.
 
@@ -40,6 +41,7 @@ from scheduler.liveness import UNREACHABLE, Workers, ask, start_hint, waiting_li
 from scheduler.sources import Source, why
 from worker.fleet import embedded_redis, leases
 from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.orphans import Unacked
 from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
 from worker.fleet.settings import Settings
@@ -98,6 +100,8 @@ class LineageStatus(BaseModel):
     blocked_kind: str | None = None
     # When the lineage is planned again by itself; None while blocked: only once fixed.
     retry_at: datetime | None = None
+    # Why a run that wants more has nothing in flight, and what brings it back; None otherwise.
+    stalled: str | None
     queue: str | None
     instrument_fingerprint: str | None
     # Hostnames of the live workers consuming ``queue``; None when they were not asked (no
@@ -141,7 +145,13 @@ class Fleet:
             cache=lineage_cache(self.settings, "scheduler"),
             client=leases.redis_client(self.settings),
             send=self._send,
+            unacked=self._unacked,
         )
+
+    def _unacked(self) -> Unacked:
+        from worker.fleet.app import unacked_keys
+
+        return unacked_keys(self.app)
 
     def _send(
         self, job: GenerationJob, job_id: str, queue: str, time_limit: int, first: bool
@@ -205,6 +215,15 @@ class Fleet:
             if self.broker_up
             else None
         )
+        stalled = (
+            "nothing in flight: the next reconcile turn of a live worker (every "
+            f"{self.settings.reconcile_interval_seconds:g} s) sends its next job"
+            if progress
+            and progress.stopped is None
+            and "broker" not in outages
+            and not (in_flight or block)
+            else None
+        )
         row = LineageStatus(
             lineage=lineage,
             generation=generation,
@@ -230,6 +249,7 @@ class Fleet:
             blocked=block.describe() if block else None,
             blocked_kind=block.kind if block else None,
             retry_at=block.retry_at if block else None,
+            stalled=stalled,
             queue=queue,
             instrument_fingerprint=meta.instrument_fingerprint if meta else None,
             workers=None,

@@ -96,15 +96,20 @@ def patient_fleet(tmp_path: Path, redis_url: str) -> Fleet:
 
 
 def heir_releases(fleet: Fleet, workers: list[Worker], lineage: str, timeout: float) -> None:
-    """A worker restarted on the dead one's host, and no reconciler: ``lineage`` lands its
-    generation 1 far within the 600 s marker and lease, because the heir saw its
-    predecessor dead, released its job and enqueued the lineage's next one itself."""
+    """A worker restarted on the dead one's host, and no reconciler process: ``lineage``
+    lands its generation 1 far within the 600 s marker and lease, because the heir saw
+    its predecessor dead, released its job and enqueued the lineage's next one itself."""
     heir = start(fleet, workers, "heir")
     wait_for(lambda: generations(fleet, lineage), timeout, "generation 1")
     wait_for(lambda: fleet.observation_numbers(lineage) == [1], 60, "its observation")
     assert_linear(fleet, lineage, 1)
     assert f"released job {lineage}." in heir.text()
-    assert f"{lineage}: re-enqueued after its holder died" in heir.text()
+    # Re-enqueued by the heir itself: right after the release, or by its reconcile turn
+    # when that pass came between the release and the recovery.
+    assert (
+        f"{lineage}: re-enqueued after its holder died" in heir.text()
+        or f"reconcile turn: re-enqueued {lineage}" in heir.text()
+    )
 
 
 def test_a_job_fetched_by_a_killed_worker_is_released_by_the_worker_restarted_on_its_host(

@@ -128,6 +128,8 @@ def _state(row: LineageStatus, short: bool) -> str:
     # in-flight marker could make it otherwise.
     if "store" in row.unavailable or ("broker" in row.unavailable and row.run_id is not None):
         return UNKNOWN
+    if row.stalled:
+        return "stalled" if short else row.stalled
     return "idle"
 
 

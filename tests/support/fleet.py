@@ -148,6 +148,44 @@ def task_envelope(
     }
 
 
+# A consumer of one queue through kombu's own Redis transport, as a worker's main process
+# consumes it (prefetch 1, acknowledged late): it takes one message and is SIGKILLed in
+# the callback, where Celery would run task_received. kombu has already moved the message
+# into its unacked hash; nothing else has been written.
+GRABBER = """
+import os, signal, sys
+from kombu import Connection, Consumer, Exchange, Queue
+from worker.fleet.settings import Settings
+
+name = sys.argv[1]
+queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+def taken(body, message):
+    print(message.headers["id"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+with Connection(Settings().broker) as connection:
+    with Consumer(connection, [queue], callbacks=[taken], accept=["json"], prefetch_count=1):
+        while True:
+            connection.drain_events(timeout=float(sys.argv[2]))
+"""
+
+
+def grab(env: dict[str, str], cwd: Path, queue: str, wait: float = 120) -> str:
+    """A kombu consumer takes the next message of ``queue`` (within ``wait`` seconds) and
+    is killed holding it; the task id it took."""
+    done = subprocess.run(
+        [sys.executable, "-c", GRABBER, queue, str(wait)],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=wait + 30,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    return done.stdout.strip()
+
+
 class Fleet:
     """One isolated fleet home and the CLI bound to it."""
 

@@ -4,7 +4,8 @@ Owns the broker settings every Celery app of the fleet shares (JSON only, late a
 requeue on a lost pool child, prefetch 1, a visibility timeout above any life plus
 publication, connection retry, task events for Flower), the task and queue names
 with their bindings (each queue on a direct exchange of its own name), and
-``send_job`` with the job's place in its queue: a job the reconciler recovers goes
+``send_job`` with the job's place in its queue, where the transport keeps delivered
+messages (``unacked_keys``, for ``worker.fleet.orphans``): a job the reconciler recovers goes
 ahead of every job already queued, so a lineage a fault stopped does not also wait
 behind the queued work of every other lineage. A lost broker connection does not
 cancel the lives in progress: each lands through the compare-and-swap push and the
@@ -20,10 +21,13 @@ Trusts: its settings and the broker.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from celery import Celery
 from celery.app.amqp import AMQP
 from kombu import Exchange, Queue
 
+from worker.fleet.orphans import Unacked
 from worker.fleet.planner import Send
 from worker.fleet.settings import Settings
 from worker.instrument.job import GenerationJob
@@ -96,3 +100,21 @@ def sender(app: Celery) -> Send:
         )
 
     return send_job
+
+
+def unacked_keys(app: Celery) -> Unacked:
+    """Where ``app``'s Redis transport keeps delivered, unacknowledged messages.
+
+    Read from the transport's channel as its options configure it (key names and any
+    global key prefix), without connecting.
+    """
+    with app.connection_for_write() as connection:
+        # Kombu's virtual transports name their channel class here; its stubs do not.
+        channel = cast(Any, connection.transport).Channel
+        options = connection.transport_options or {}
+
+    def option(name: str) -> str:
+        return str(options.get(name, getattr(channel, name)))
+
+    prefix = option("global_keyprefix")
+    return Unacked(hash=prefix + option("unacked_key"), index=prefix + option("unacked_index_key"))

@@ -7,6 +7,9 @@ second one) and a blocked marker (``Block``): why a lineage cannot advance, whic
 and provider it concerns, and when it is tried again (never, for a provider's refusal:
 until a new run, ``cancel`` or a worker's re-check clears it).
 
+The fleet's reconcile turn (``Turn``) is a key of the same kind: every worker asks
+for it every reconcile interval, and the one that gets it runs the pass.
+
 A lease names its holder (host, boot, pid, the process's start time and its pid
 namespace), so the redelivered copy of a job whose pool child was killed takes over the dead
 holder's lease at once instead of waiting for it to expire; a holder on another host
@@ -91,6 +94,11 @@ def holder_key(lineage: str) -> str:
 def blocked_key(lineage: str) -> str:
     """Why the lineage cannot advance here, while it is blocked."""
     return f"{_BLOCKED}{lineage}"
+
+
+def turn_key() -> str:
+    """The fleet's reconcile turn: the token of the worker whose pass it is."""
+    return f"{PREFIX}:reconcile-turn"
 
 
 def cancel_key(lineage: str, run_id: str) -> str:
@@ -297,6 +305,39 @@ class Lease:
         _eval(self.client, self._RELEASE, [self.key], self.token)
 
 
+class Turn:
+    """The fleet's reconcile turn: one pass at a time across every worker, one per interval.
+
+    Taken for ``seconds`` and never released: the next turn, by whichever worker asks
+    first, comes once it expires. The pass extends it while it runs (``keep``), so a
+    slow pass is never joined by a second one; a worker killed mid-pass leaves it to
+    expire within ``seconds``.
+    """
+
+    _KEEP = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+    )
+
+    def __init__(self, client: redis.Redis, seconds: float) -> None:
+        self.client = client
+        self.key = turn_key()
+        self.ms = max(1, round(seconds * 1000))
+        self.token = f"{holder_name()}/{secrets.token_hex(8)}"
+
+    def take(self) -> bool:
+        if self.client.set(self.key, self.token, nx=True, px=self.ms):
+            return True
+        # A key of another type would keep every worker from its turn for good: the
+        # read removes it, and the turn is then free.
+        if _get(self.client, self.key) is None:
+            return bool(self.client.set(self.key, self.token, nx=True, px=self.ms))
+        return False
+
+    def keep(self) -> None:
+        _eval(self.client, self._KEEP, [self.key], self.token, self.ms)
+
+
 class LeaseBusy(Exception):
     """Another worker holds the lineage's lease: this job must not run its life now."""
 
@@ -411,6 +452,12 @@ def keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int
 def in_flight(client: redis.Redis, lineage: str) -> str | None:
     value = _get(client, inflight_key(lineage))
     return value.decode() if value else None
+
+
+def holder_record(client: redis.Redis, lineage: str) -> str | None:
+    """The lineage's holder record: ``<job id> <holder name>``, as anyone may have written it."""
+    value = _get(client, holder_key(lineage))
+    return value.decode(errors="replace") if value else None
 
 
 # Both read before either goes (see _repairing).

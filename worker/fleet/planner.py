@@ -3,16 +3,18 @@
 Owns reading and writing run records in the store, the rule that at most one
 generation of a lineage is in flight, and sending the next job (through a ``send``
 callable, so the rules run without Celery). The pure rules of a run (its progress,
-why it stopped, its next job) are ``worker.fleet.runs``. Both the worker (right after a generation
-lands) and the reconciler (after a lost message, a Redis restart or a dead worker)
-plan through ``Planner.enqueue``; a duplicate it may cause is harmless. What the
-reconciler enqueues was lost to a fault, so it is sent to the front of its queue. A store
-outage does not stop a reconcile pass: each lineage whose record cannot be read is
-skipped, and the outage is logged once when it starts and once when it ends. A new run
-and a cancellation clear the lineage's blocked marker (``leases.Block``): whatever
-blocked the old run is the user's to find again, not a reason to refuse the new one.
-A run is started with its model's prices (this process's settings, else the built-in
-table), which its every job carries.
+why it stopped, its next job) are ``worker.fleet.runs``. Both the worker (right after a
+generation lands) and the reconcile pass (after a lost message, a Redis restart or a
+dead worker; every worker takes turns at it, ``reconcile --loop`` and beat may too)
+plan through ``Planner.enqueue``; a duplicate it may cause is harmless. The reconcile
+pass also frees the claim of a job whose fetcher died before registering it
+(``worker.fleet.orphans``). What the reconciler enqueues was lost to a fault, so it is
+sent to the front of its queue. A store outage does not stop a reconcile pass: each
+lineage whose record cannot be read is skipped, and the outage is logged once when it
+starts and once when it ends. A new run and a cancellation clear the lineage's blocked
+marker (``leases.Block``): whatever blocked the old run is the user's to find again,
+not a reason to refuse the new one. A run is started with its model's prices (this
+process's settings, else the built-in table), which its every job carries.
 
 Trusts: the shared repository, the observation store and the broker.
 """
@@ -21,13 +23,15 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal
 
 import redis
 
-from worker.fleet import leases
+from worker.fleet import leases, orphans
+from worker.fleet.orphans import Unacked
 from worker.fleet.outage import Outage, probe
 from worker.fleet.runs import (
     Progress,
@@ -65,12 +69,16 @@ class Planner:
         cache: LineageCache,
         client: redis.Redis,
         send: Send,
+        unacked: Callable[[], Unacked] | None = None,
     ) -> None:
+        """unacked: where the broker keeps delivered messages (``worker.fleet.app.unacked_keys``),
+        asked at the first reconcile pass; without it, no pass looks for orphaned jobs."""
         self.settings = settings
         self.store = store
         self.cache = cache
         self.client = client
         self.send = send
+        self.unacked = unacked
         self.store_outage = Outage("the observation store", "reconciler", log)
 
     def lineages(self) -> list[str]:
@@ -257,15 +265,37 @@ class Planner:
         job = job or self.plan(lineage)
         return job if job is not None and self.submit(job, first=first) else None
 
-    def reconcile(self) -> list[str]:
+    def reconcile(self, keep_turn: Callable[[], object] = lambda: None) -> list[str]:
         """Enqueue every lineage whose run wants more and has nothing in flight.
 
         Each such job was lost to a fault (a dead worker, a lost message, Redis without
-        its data): it goes to the front of its queue.
+        its data, a worker killed holding a job it had not registered yet, whose claim
+        is freed first: ``worker.fleet.orphans``): it goes to the front of its queue.
+        keep_turn: called before each lineage, to hold the fleet's reconcile turn.
         """
         enqueued: list[str] = []
         failure: StoreUnavailable | None = None
+        unacked = self.unacked() if self.unacked else None
+        stranded = (
+            orphans.delivered_before(
+                self.client, unacked, time.time() - self.settings.lease_seconds
+            )
+            if unacked
+            else {}
+        )
         for lineage in self.lineages():
+            keep_turn()
+            if unacked and (
+                job_id := orphans.reclaim(
+                    self.client, unacked, lineage, stranded, self.settings.lease_seconds
+                )
+            ):
+                log.warning(
+                    "%s: job %s was fetched by a worker that died before registering it; "
+                    "planning it again",
+                    lineage,
+                    job_id,
+                )
             try:
                 if self.enqueue(lineage, first=True) is not None:
                     enqueued.append(lineage)

@@ -13,7 +13,10 @@ has fetched (renewed every third of ``lease_seconds`` until each job ends, so a
 worker killed before its pool child starts a job is noticed within
 ``lease_seconds``), the jobs whose holder died on this host (released every
 ``SWEEP_SECONDS``, so the worker restarted after a kill, or any other on the host,
-frees its predecessor's work and re-enqueues it at once, at the front of its queue)
+frees its predecessor's work and re-enqueues it at once, at the front of its queue),
+its turns at the fleet's reconcile pass (every ``reconcile_interval_seconds``, one
+worker at a time through ``leases.Turn``: no run waits on a reconciler process nobody
+started, and a follow-up a broker outage lost is sent once Redis is back)
 and the observation store (probed with every spool retry; its outages are logged once
 when they start and once when they end). Its Redis clients and its sends wait out a
 broker restart (``leases.OUTLAST_RESTART``, ``PUBLISH_RETRY``): a life that lands
@@ -59,6 +62,7 @@ from worker.fleet.app import (
     client_app,
     sender,
     serve,
+    unacked_keys,
 )
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
 from worker.fleet.outage import Outage, probe
@@ -87,6 +91,10 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     """The app of a sandbox host: its tasks, its queues and its start-up, for ``instrument``."""
     app = client_app(settings, amqp=ScreeningAMQP)
     app.conf.task_publish_retry_policy = PUBLISH_RETRY
+    # Celery's consumer gives up after 100 attempts (about 3 minutes at the transport's
+    # pacing) and the worker exits; a worker waits out a broker outage of any length,
+    # and its reconcile turns resend what the outage lost once Redis is back.
+    app.conf.broker_connection_max_retries = None
     serve(app, instrument.queue)
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
@@ -113,6 +121,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             cache=lineage_cache(settings),
             client=client,
             send=sender(app),
+            unacked=lambda: unacked_keys(app),
         )
 
     @cache
@@ -205,6 +214,16 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
                 settings.lease_seconds,
             ),
             name="markers",
+            daemon=True,
+        ).start()
+        threading.Thread(
+            target=_take_turns,
+            args=(
+                main_client,
+                lambda keep: recoveries.submit(lambda: main_planner().reconcile(keep)).result(),
+                settings.reconcile_interval_seconds,
+            ),
+            name="reconcile-turns",
             daemon=True,
         ).start()
 
@@ -303,8 +322,9 @@ def _plan_next(planner: Planner, job: GenerationJob, report: GenerationReport | 
             # durable record what (if anything) comes next.
             planner.enqueue(job.lineage)
     except (StoreUnavailable, redis.RedisError, OperationalError) as exc:
-        # The generation landed; only its follow-up waits, for the reconciler's next pass.
-        log.warning("%s: cannot plan now (%s); the reconciler will", job.lineage, exc)
+        # The generation landed; only its follow-up waits, for the fleet's next reconcile
+        # turn once the broker and the store answer (this worker takes turns too).
+        log.warning("%s: cannot plan now (%s); the next reconcile turn will", job.lineage, exc)
 
 
 def _after_landing(
@@ -375,9 +395,41 @@ def _recover(
         if planner().enqueue(lineage, first=True) is not None:
             log.info("%s: re-enqueued %s", lineage, why)
     except (StoreUnavailable, redis.RedisError, OperationalError, GitError, Refusal) as exc:
-        log.warning("%s: cannot re-enqueue now (%s); the reconciler will", lineage, exc)
+        log.warning("%s: cannot re-enqueue now (%s); the next reconcile turn will", lineage, exc)
     except Exception:  # in a pool thread whose future nobody reads: say it, or it is lost
-        log.exception("%s: re-enqueueing failed; the reconciler will", lineage)
+        log.exception("%s: re-enqueueing failed; the next reconcile turn will", lineage)
+
+
+def _take_turns(
+    client: Callable[[], redis.Redis],
+    reconcile: Callable[[Callable[[], object]], list[str]],
+    interval: float,
+) -> None:
+    """Every ``interval``, ask for the fleet's reconcile turn, and pass when given it.
+
+    Every worker asks, one gets it: the fleet reconciles itself with no other process
+    started, and a worker's follow-up lost to a broker outage of any length is planned
+    again by whichever worker's turn comes first once Redis is back.
+    """
+    broker = Outage("the broker", "reconcile turn", log)
+    turn: leases.Turn | None = None
+    while True:
+        time.sleep(interval)
+        try:
+            turn = turn or leases.Turn(client(), interval)
+            enqueued = reconcile(turn.keep) if turn.take() else []
+        except (redis.RedisError, OperationalError) as exc:
+            broker.failed(exc)
+            continue
+        except (StoreUnavailable, GitError, Refusal) as exc:
+            log.warning("reconcile turn: cannot pass now (%s); the next turn will", exc)
+            continue
+        except Exception:  # a thread nobody joins: say it, and keep taking turns
+            log.exception("reconcile turn failed; the next turn will")
+            continue
+        broker.answered()
+        if enqueued:
+            log.info("reconcile turn: re-enqueued %s", ", ".join(enqueued))
 
 
 def _drain_forever(pipeline: Callable[[], Pipeline], settings: Settings) -> None:
