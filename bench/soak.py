@@ -42,7 +42,7 @@ table and a timeline of the faults, and exits 1 if an invariant fails; the timin
 targets are printed, never enforced (``tests/test_soak.py`` runs a short soak in CI
 and checks the exit status).
 
-    .venv/bin/python bench/soak.py                          # the long soak (see README)
+    .venv/bin/python bench/soak.py                          # the long soak (see docs/benchmarks.md)
     .venv/bin/python bench/soak.py --lineages 3 --generations 3 --rounds 2 --workers 2
 """
 
