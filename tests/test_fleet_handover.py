@@ -90,6 +90,20 @@ STEPS = ["sent", "fetched", "received", "leased"]
 
 
 @pytest.mark.parametrize("step", STEPS)
+def sending_rig(settings: Settings, client: redis.Redis) -> Rig:
+    """A planner that sends through Celery to the broker, as a worker's does."""
+    app = client_app(settings)
+    planner = Planner(
+        settings=settings,
+        store=observation_store(settings),
+        cache=lineage_cache(settings, "scheduler"),
+        client=client,
+        send=sender(app),
+        unacked=lambda: unacked_keys(app),
+    )
+    return Rig(planner=planner, sent=None, client=client, name=lambda stem: stem)  # type: ignore[arg-type]
+
+
 def test_a_kill_at_any_step_of_the_hand_over_leaves_the_lineage_claimed_no_longer_than_the_lease(
     fleet: Fleet, workers: list[Worker], step: str
 ) -> None:
@@ -152,23 +166,15 @@ def test_a_job_whose_fetcher_died_before_registering_it_is_planned_again_after_t
         visibility_timeout_seconds=7200,
         inflight_ttl_seconds=3600,
     )
-    app = client_app(settings)
     client = redis.Redis.from_url(broker.url)
-    planner = Planner(
-        settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
-        client=client,
-        send=sender(app),
-        unacked=lambda: unacked_keys(app),
-    )
-    rig = Rig(planner=planner, sent=None, client=client, name=lambda stem: stem)  # type: ignore[arg-type]
+    rig = sending_rig(settings, client)
+    planner = rig.planner
     lineage, meta = rig.lineage("grabbed")
     planner.start_run(lineage, rig.head(lineage), 1, "scripted", None, Decimal("1"))
     assert planner.enqueue(lineage) is not None
     queue = queue_of(meta)
     env = {**os.environ, "OUROBOROS_BROKER_URL": broker.url, "OUROBOROS_HOME": str(tmp_path)}
-    unacked = unacked_keys(app)
+    unacked = unacked_keys(client_app(settings))
     assert (unacked.hash, unacked.index) == ("unacked", "unacked_index")
     for _ in range(20):
         job_id = grab(env, tmp_path, queue)
@@ -196,17 +202,9 @@ def test_an_unacked_job_whose_holder_registered_it_is_never_taken_from_it(
     tmp_path: Path, broker: PrivateRedis
 ) -> None:
     settings = Settings(home=tmp_path / "home", broker_url=broker.url, lease_seconds=3)
-    app = client_app(settings)
     client = redis.Redis.from_url(broker.url)
-    planner = Planner(
-        settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
-        client=client,
-        send=sender(app),
-        unacked=lambda: unacked_keys(app),
-    )
-    rig = Rig(planner=planner, sent=None, client=client, name=lambda stem: stem)  # type: ignore[arg-type]
+    rig = sending_rig(settings, client)
+    planner = rig.planner
     lineage, meta = rig.lineage("held")
     planner.start_run(lineage, rig.head(lineage), 1, "scripted", None, Decimal("1"))
     planner.enqueue(lineage)
