@@ -614,8 +614,11 @@ def test_vendor_http_errors_say_whether_the_request_may_succeed_later(
         provider.generate("p", 10, 5, CONTEXT)
 
     assert (failure.value.status, failure.value.retryable) == (status, retryable)
-    # A 4xx the vendor does not call passing is a refusal: waiting will not fix it.
-    assert failure.value.refused == (not retryable)
+    # A 4xx the vendor does not call passing is a refusal: waiting will not fix it;
+    # except an invalid request, which the socket judges by the generation's other calls.
+    invalid = status in (400, 422)
+    assert failure.value.invalid == invalid
+    assert failure.value.refused == (not retryable and not invalid)
     assert failure.value.may_have_billed is False
     assert failure.value.retry_after is None
 

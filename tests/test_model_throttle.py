@@ -172,6 +172,30 @@ def test_a_waiter_gives_up_at_once_when_the_life_ends(make_throttle: MakeThrottl
 
 
 @pytest.mark.full
+def test_room_given_back_early_is_free_at_once_and_is_given_back_only_once(
+    make_throttle: MakeThrottle,
+) -> None:
+    cap = Cap(concurrent_calls=1)
+    abandoned, other = make_throttle(cap), make_throttle(cap)
+
+    with abandoned.admit("p", 1, soon(), NEVER) as admission:
+        # The life ended while the vendor still holds the request.
+        admission.release()
+        admission.release()
+        with other.admit("p", 1, soon(), NEVER) as next_call:
+            assert next_call.waited_seconds < 1
+            with pytest.raises(NoRoom), other.admit("p", 1, soon(0.3), NEVER):
+                pass
+    # The release, its repeat and the block's end gave back one call's room, not three.
+    with (
+        other.admit("p", 1, soon(), NEVER),
+        pytest.raises(NoRoom),
+        other.admit("p", 1, soon(0.3), NEVER),
+    ):
+        pass
+
+
+@pytest.mark.full
 def test_a_dead_workers_hold_expires_with_its_deadline(prefix: str) -> None:
     cap = Cap(concurrent_calls=1)
     client = redis.Redis.from_url(REDIS_URL)

@@ -6,7 +6,10 @@ Stand-in vendors answer 401, 400 for an unknown model, 429 forever, or nothing a
 whose calls all failed carries the "model unavailable" mark in its subject, journal,
 observation, index, status and every reader's rows. A hung vendor answers the organism
 502 ``model_margin_seconds`` before its wall, so the life ends as the organism chooses,
-not as a wall_timeout. A real LiteLLM proxy refusing a wrong key is in
+not as a wall_timeout. What a hostile organism can provoke is no provider failure: a
+call that finds no room under the fleet's cap, a call after its deadline, a vendor's 400
+beside answered calls; and the cap it filled with slow calls is given back as its life
+ends, so other lineages' calls go through. A real LiteLLM proxy refusing a wrong key is in
 ``test_model_litellm.py``.
 """
 
@@ -14,12 +17,15 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from support.browse import Served, settings_of, write_unavailable_lineage
@@ -29,11 +35,13 @@ from support.vendor import StandIn, running_stand_in
 from scheduler.history import parse_subject
 from scheduler.reader import open_reader
 from worker.fleet import embedded_redis
+from worker.fleet.model_throttle import RedisThrottle
 from worker.fleet.settings import Settings
 from worker.instrument.journal import subject_died, subject_no_change, unavailable_mark
 from worker.instrument.model.providers import GenerationContext, make_provider
 from worker.instrument.model.retry import RetryPolicy
-from worker.instrument.model.server import ModelSocket, capabilities
+from worker.instrument.model.server import TOO_LATE, ModelSocket, capabilities
+from worker.instrument.model.throttle import Cap, LocalThrottle, Throttle
 from worker.instrument.names import generation_number
 from worker.instrument.physics import Physics
 from worker.instrument.records import LineageIndex, ModelFailure
@@ -90,10 +98,33 @@ def ask(socket_path: Path, prompt: bytes = b"rewrite yourself") -> int:
     return int(answer.split(b" ", 2)[1])
 
 
-def broker(tmp_path: Path, url: str, physics: Physics, retry: RetryPolicy = QUICK) -> ModelSocket:
+def broker(
+    tmp_path: Path,
+    url: str,
+    physics: Physics,
+    retry: RetryPolicy = QUICK,
+    throttle: Throttle | None = None,
+    name: str = "model.sock",
+) -> ModelSocket:
     settings = Settings(openai_compatible_base_url=url, **PRICES)
     provider = make_provider("openai-compatible", "chat-model", settings)
-    return ModelSocket(tmp_path / "model.sock", provider, physics, CONTEXT, retry=retry)
+    return ModelSocket(tmp_path / name, provider, physics, CONTEXT, retry=retry, throttle=throttle)
+
+
+def send_and_leave(socket_path: Path, prompt: bytes = b"think slowly") -> socket.socket:
+    """POST /generate and read nothing, as an organism that exits without its answer does."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(str(socket_path))
+    head = f"POST /generate HTTP/1.1\r\nHost: k\r\nContent-Length: {len(prompt)}\r\n\r\n"
+    client.sendall(head.encode() + prompt)
+    return client
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within a generous timeout"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize(
@@ -323,3 +354,130 @@ def test_the_web_ui_shows_the_mark_beside_the_outcome_and_metrics_count_it(
     lineage_key = (("lineage", "down"),)
     assert samples["ouroboros_lineage_model_unavailable_generations_total", lineage_key] == 1
     assert samples["ouroboros_model_unavailable_generations_total", ()] == 1
+
+
+# --- what a hostile organism can provoke is no provider failure -------------------------------
+
+
+def test_a_hostile_lifes_slow_calls_give_the_fleet_cap_back_when_it_ends_so_a_victims_call_succeeds(
+    tmp_path: Path, stand_in: StandIn, redis_url: str
+) -> None:
+    stand_in.hang = True
+    cap, prefix = Cap(concurrent_calls=8), f"ouroboros-test-{uuid.uuid4().hex[:12]}"
+    client = redis.Redis.from_url(redis_url)
+    hostile_cap = RedisThrottle(client, cap, prefix=prefix)
+    [calls, _] = hostile_cap.keys("openai-compatible")
+
+    with broker(tmp_path, stand_in.url, Physics(), throttle=hostile_cap) as hostile:
+        clients = [send_and_leave(hostile.socket_path) for _ in range(8)]
+        wait_for(lambda: len(stand_in.received) == 8)
+        assert client.zcard(calls) == 8
+    # The organism exited with its 8 calls still at the vendor: their room is back.
+    assert client.zcard(calls) == 0
+    for leaver in clients:
+        leaver.close()
+
+    victim_cap = RedisThrottle(redis.Redis.from_url(redis_url), cap, prefix=prefix)
+    with running_stand_in() as answering:
+        answering.reply = CHAT_ANSWER
+        physics = Physics(wall_seconds=20, model_margin_seconds=10)
+        with broker(tmp_path, answering.url, physics, throttle=victim_cap, name="v.sock") as victim:
+            assert ask(victim.socket_path) == 200
+            assert victim.model_failure is None
+
+
+def test_a_call_that_finds_no_room_under_the_fleet_cap_is_answered_502_but_is_no_provider_failure(
+    tmp_path: Path, stand_in: StandIn
+) -> None:
+    stand_in.reply = CHAT_ANSWER
+    throttle = LocalThrottle(Cap(concurrent_calls=1))
+    physics = Physics(wall_seconds=6, model_margin_seconds=3)
+    busy = threading.Event()
+
+    # Another lineage's call holds the fleet's only room for as long as this one may wait.
+    with (
+        throttle.admit("openai-compatible", 1, time.monotonic() + 60, busy),
+        broker(tmp_path, stand_in.url, physics, throttle=throttle) as model,
+    ):
+        assert ask(model.socket_path) == 502
+        failure = model.model_failure
+
+    assert failure is None
+    [call] = model.calls
+    assert [a.outcome for a in call.attempts] == ["no_slot"]
+    assert stand_in.received == []
+
+
+def test_a_call_after_its_deadline_is_answered_502_at_once_saying_so_and_is_no_provider_failure(
+    tmp_path: Path, stand_in: StandIn
+) -> None:
+    stand_in.reply = CHAT_ANSWER
+    # The call deadline is the wall less the margin: 1 s after the life begins.
+    physics = Physics(wall_seconds=2, model_margin_seconds=1)
+
+    with broker(tmp_path, stand_in.url, physics) as model:
+        began = time.monotonic()
+        wait_for(lambda: time.monotonic() > began + 1.2)
+        asked = time.monotonic()
+        assert ask(model.socket_path) == 502
+        answered_in = time.monotonic() - asked
+        failure = model.model_failure
+
+    assert failure is None and answered_in < 1
+    [call] = model.calls
+    assert (call.status, call.error, call.attempts) == (502, TOO_LATE, [])
+    assert "after its deadline" in TOO_LATE and "cap" not in TOO_LATE
+    assert call.reserved_usd == call.cost_usd == 0
+    assert stand_in.received == []
+
+
+def test_an_oversized_prompt_among_answered_calls_is_no_provider_failure(
+    tmp_path: Path, stand_in: StandIn
+) -> None:
+    too_long = {"error": {"type": "invalid_request_error", "message": "context length exceeded"}}
+
+    with broker(tmp_path, stand_in.url, Physics()) as model:
+        stand_in.status, stand_in.reply = 400, too_long
+        assert ask(model.socket_path, b"x" * 1000) == 502
+        stand_in.status, stand_in.reply = 200, CHAT_ANSWER
+        assert ask(model.socket_path) == 200
+        stand_in.status, stand_in.reply = 422, too_long
+        assert ask(model.socket_path, b"x" * 1000) == 502
+        failure = model.model_failure
+
+    # The vendor evidently serves this key and model: the organism's request was at fault.
+    assert failure is None
+    assert len(stand_in.received) == 3
+
+
+def test_an_invalid_request_in_a_generation_nothing_answered_is_still_refused(
+    tmp_path: Path, stand_in: StandIn
+) -> None:
+    stand_in.status, stand_in.reply = 422, UNKNOWN_MODEL
+
+    with broker(tmp_path, stand_in.url, Physics()) as model:
+        assert ask(model.socket_path) == 502
+        assert ask(model.socket_path) == 502
+        failure = model.model_failure
+
+    assert failure == ModelFailure(
+        kind="refused",
+        reason="openai-compatible answered HTTP 422 (invalid_request_error)",
+        failed_calls=2,
+        answered_calls=0,
+    )
+
+
+def test_a_401_is_refused_alone_and_beside_answered_calls(
+    tmp_path: Path, stand_in: StandIn
+) -> None:
+    with broker(tmp_path, vendor(stand_in, "401"), Physics()) as model:
+        assert ask(model.socket_path) == 502
+        alone = model.model_failure
+        stand_in.status, stand_in.reply = 200, CHAT_ANSWER
+        assert ask(model.socket_path) == 200
+        beside = model.model_failure
+
+    assert alone is not None and beside is not None
+    assert (alone.kind, alone.failed_calls, alone.answered_calls) == ("refused", 1, 0)
+    assert (beside.kind, beside.failed_calls, beside.answered_calls) == ("refused", 1, 1)

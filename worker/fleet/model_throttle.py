@@ -8,7 +8,8 @@ Per provider, two keys:
 * ``ouroboros:model-cap:<provider>:calls``: a sorted set of the calls in progress,
   each scored by when its hold expires (its call's deadline plus a margin), so a
   worker that dies mid-call frees its room when that time comes and nobody waits
-  on it for ever;
+  on it for ever; a live worker removes its hold when the call ends, or as soon as
+  the life that made it ends (``Admission.release``), whichever is first;
 * ``ouroboros:model-cap:<provider>:pace``: a hash of the earliest times the next
   request may go by the request pace and by the token pace.
 
@@ -26,6 +27,7 @@ Trusts: its Redis and its settings.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import secrets
@@ -128,11 +130,15 @@ class RedisThrottle:
         except redis.RedisError as exc:
             note = f"the fleet's cap could not be reached ({type(exc).__name__}); sent uncapped"
             log.warning("model cap for %s: %s", provider, note)
-        try:
+        if note is not None:
             yield Admission(time.monotonic() - started, note)
+            return
+        # Removing a member twice is harmless, so an early release needs no bookkeeping.
+        release = functools.partial(self._release, keys[0], holder)
+        try:
+            yield Admission(time.monotonic() - started, release=release)
         finally:
-            if note is None:
-                self._release(keys[0], holder)
+            release()
 
     def _try(self, keys: tuple[str, str], holder: str, tokens: int, deadline: float) -> int:
         hold = deadline - time.monotonic() + self.hold_margin_seconds

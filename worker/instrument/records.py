@@ -114,16 +114,18 @@ class ModelFailure(BaseModel):
 
     Present whenever at least one of the generation's calls failed at the provider
     (never for a 402 budget refusal, nor for the organism's own invalid request, which
-    the socket answers 400 and sends nowhere). The generation is "model unavailable"
-    exactly when no call was answered: ``answered_calls == 0``.
+    the socket answers 400 and sends nowhere, nor for a call that came after its
+    deadline or found no room under the fleet's cap, which never reached the vendor).
+    The generation is "model unavailable" exactly when no call was answered:
+    ``answered_calls == 0``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # refused: 401, 403, 404, unknown model, a request the provider calls invalid
-    # although the socket found it valid, a key the worker lacks; unavailable: 429,
-    # 5xx, timeouts, connection refused, no room under the cap, exhausting the retries
-    # or the call's deadline.
+    # refused: 401, 403, 404, a redirect, a key the worker lacks, and a 400 or 422
+    # (unknown model, say) when no call was answered (beside an answered call it is the
+    # request's fault and not counted); unavailable: 429, 5xx, timeouts, connection
+    # refused, exhausting the retries or the call's deadline.
     kind: ModelFailureKind
     # One printable line, never a secret: the socket's own words for the failure, which
     # name the provider and the kind of failure but never a key or the vendor's prose.

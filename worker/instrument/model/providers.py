@@ -51,6 +51,8 @@ ANTHROPIC_VERSION = "2023-06-01"
 MAX_REPLY_BYTES = 32 * 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
 _ERROR_KIND = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# The statuses by which a vendor calls a request itself invalid (ProviderUnavailable).
+INVALID_REQUEST_STATUSES = (400, 422)
 _Shape = TypeVar("_Shape", bound=BaseModel)
 
 
@@ -102,9 +104,12 @@ class ProviderUnavailable(Exception):
     seconds the vendor asked for, if any; status is the vendor's HTTP status, if any.
 
     refused says whether the provider said no in a way waiting will not fix: a 4xx
-    it does not call passing (401, 403, 404, an unknown model, a request it calls
-    invalid), a redirect (the base URL is not the API's) or a key the worker cannot
-    read. Every other failure is a passing one, or one the vendor's own fault may
+    it does not call passing (401, 403, 404, ...), a redirect (the base URL is not the
+    API's) or a key the worker cannot read. invalid says the vendor called the request
+    itself invalid (400 or 422, not passing): an unknown model, or a prompt over the
+    model's context window, which the organism can provoke; only the socket, which
+    sees the generation's other calls, can tell the two apart, so it is not refused
+    here. Every other failure is a passing one, or one the vendor's own fault may
     explain (a reply cut short or malformed).
     """
 
@@ -123,7 +128,10 @@ class ProviderUnavailable(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.status = status
-        self.refused = refused or (not retryable and status is not None and 300 <= status < 500)
+        self.invalid = not retryable and status in INVALID_REQUEST_STATUSES
+        self.refused = refused or (
+            not retryable and status is not None and 300 <= status < 500 and not self.invalid
+        )
 
 
 class Provider(ABC):

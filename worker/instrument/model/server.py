@@ -26,7 +26,28 @@ watches a life knows what it waits for.
 
 The socket also sums up the generation's failures at the provider
 (``ModelSocket.model_failure``): how many calls failed there, how many it answered,
-and whether any failure was a refusal that waiting will not fix.
+and whether any failure was a refusal that waiting will not fix. The fleet stops or
+pauses the run on it, so only what the provider did counts, never what the organism
+or the fleet's own contention did; a call failed in any of these ways is answered 502
+all the same:
+
+- a call that never reached the vendor (no room under the fleet's cap before its
+  deadline, or every model thread still held by the generation's abandoned calls)
+  is the fleet's contention, not the provider's failure: it does not count, so a
+  hostile lineage that fills the cap cannot pause every other run;
+- a call that arrives when its deadline has passed is the organism's doing: it is
+  answered 502 at once, saying so, sends nothing and does not count;
+- a vendor's 400 or 422 (the request is invalid: say, a prompt over the model's
+  context window, which the organism can provoke at will) is a refusal only when no
+  call of the generation was answered, since a wrong key or model fails every call;
+  beside an answered call it does not count at all. 401, 403, 404, a redirect and any
+  other 4xx the vendor does not call passing are refusals whatever else happened.
+
+A call counts as failed at the provider by the last of its attempts that reached the
+vendor, and with that attempt's reason. When the life ends, every attempt still
+running gives its room under the fleet's cap back at once (``Admission.release``),
+even though its request may still be at the vendor: the cap must not outlive the
+life that took it, or an organism could fill it with slow calls and exit.
 
 The client is the organism, which may be hostile, so what one generation's socket can
 hold is bounded, whatever the client does:
@@ -70,7 +91,7 @@ from decimal import Decimal
 from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import h11
 
@@ -135,6 +156,10 @@ ABANDONED = "the generation ended before the model answered"
 BUSY = f"busy: at most {MAX_CONNECTIONS} connections at once; try again when one has ended"
 HEAD_TOO_LONG = f"the request line and headers are over {MAX_HEAD_BYTES} bytes"
 CALL_LIMIT = f"call limit: at most {MAX_CALLS} calls per generation; nothing was sent"
+TOO_LATE = (
+    "too late: the call came after its deadline (model_timeout_seconds from its arrival, "
+    "or model_margin_seconds before the end of wall_seconds); nothing was sent"
+)
 NO_RETRY_BUDGET = "not tried again: what is left of the budget cannot cover another attempt"
 # What the cap counts a prompt as: vendors' own limiters estimate 4 bytes to the token.
 CAP_BYTES_PER_TOKEN = 4
@@ -175,7 +200,7 @@ def capabilities(physics: Physics) -> dict[str, Any]:
                     "502": (
                         "model unavailable: every attempt failed, or no answer within "
                         "model_timeout_seconds or before model_margin_seconds from the "
-                        "end of wall_seconds"
+                        "end of wall_seconds, or the call came after that deadline"
                     ),
                 },
                 "response_headers": {
@@ -257,6 +282,30 @@ def capabilities(physics: Physics) -> dict[str, Any]:
 
 class _InvalidRequest(Exception):
     """A request the ABI does not allow; the message is the 400 answer."""
+
+
+# What a failed call counts as in ModelSocket.model_failure; "invalid" is a vendor's
+# 400 or 422, a refusal only when no call of the generation was answered.
+_Blame = Literal["refused", "invalid", "unavailable"]
+
+
+class _CallFailed(Exception):
+    """Every attempt of a call failed; the message is the error its record keeps.
+
+    blame and reason come from the last attempt that reached the vendor; blame is None
+    when none did (the fleet's own contention), and the call then counts for nothing.
+    """
+
+    def __init__(self, error: str, blame: _Blame | None, reason: str) -> None:
+        super().__init__(error)
+        self.blame = blame
+        self.reason = reason
+
+
+def _blame(failure: ProviderUnavailable) -> _Blame:
+    if failure.refused:
+        return "refused"
+    return "invalid" if failure.invalid else "unavailable"
 
 
 @dataclass(frozen=True)
@@ -370,8 +419,12 @@ class ModelSocket:
         self._audited_text = 0
         self.calls_over_limit = 0
         self._in_flight: dict[int, _Call] = {}
-        # Each call that failed at the provider: whether it was refused, and why.
-        self._failures: list[tuple[bool, str]] = []
+        # Each call that failed at the provider: what it counts as, and why.
+        self._failures: list[tuple[_Blame, str]] = []
+        # The room under the cap held by attempts running now, given back when the
+        # life ends (an attempt the vendor keeps waiting would otherwise hold it on).
+        # Keyed by identity: two admissions may be equal.
+        self._holds: dict[int, Admission] = {}
         self._model_threads = _ModelThreads(
             MAX_CONNECTIONS, f"model-call-{context.lineage}-{context.generation}"
         )
@@ -393,13 +446,17 @@ class ModelSocket:
 
         Refused when any failed call was refused (waiting will not fix it), and then the
         reason is the last refusal's; else unavailable, with the last failure's reason.
+        A vendor's 400 or 422 is a refusal when no call was answered, else not counted.
         """
         with self._lock:
             failures = list(self._failures)
             answered = sum(call.status == 200 for call in self._calls)
+        if answered:
+            # The vendor serves this key and model: the request itself was at fault.
+            failures = [failure for failure in failures if failure[0] != "invalid"]
         if not failures:
             return None
-        refusals = [reason for refused, reason in failures if refused]
+        refusals = [reason for blame, reason in failures if blame != "unavailable"]
         return ModelFailure(
             kind="refused" if refusals else "unavailable",
             reason=_one_line((refusals or [reason for _, reason in failures])[-1]),
@@ -436,6 +493,11 @@ class ModelSocket:
         traceback: TracebackType | None,
     ) -> None:
         self._ended.set()
+        # An attempt admitted from now on sees _ended and gives its room back itself.
+        with self._lock:
+            holds, self._holds = self._holds, {}
+        for admission in holds.values():
+            admission.release()
         if self._serving is not None:
             serving, self._serving = self._serving, None
             serving.loop.call_soon_threadsafe(serving.task.cancel)
@@ -460,11 +522,12 @@ class ModelSocket:
             call.settle(self.ledger, Decimal(0))
             self._audit(call, 502, MODEL_UNAVAILABLE, error=ABANDONED)
             # A call in flight when the life ended failed at the provider only if an
-            # attempt of it had: one the organism merely left behind was never refused.
-            tried = [a for a in call.attempts if a.outcome in ("failed", "no_slot")]
+            # attempt of it had: one the organism merely left behind was never refused,
+            # and one that found no room under the cap never reached the vendor.
+            tried = [a for a in call.attempts if a.outcome == "failed"]
             if tried:
                 with self._lock:
-                    self._failures.append((False, tried[-1].error or MODEL_UNAVAILABLE))
+                    self._failures.append(("unavailable", tried[-1].error or MODEL_UNAVAILABLE))
 
     async def _serve(self, listener: socket.socket) -> None:
         """Accept until cancelled, then close every connection."""
@@ -572,6 +635,8 @@ class ModelSocket:
         except _InvalidRequest as exc:
             return self._audit(call, 400, str(exc))
         call.requested_output_tokens = tokens
+        if self._deadline(call) <= time.monotonic():
+            return self._audit(call, 502, TOO_LATE)
         try:
             call.reserve(self.ledger, tokens)
         except BudgetExhausted as exc:
@@ -585,10 +650,11 @@ class ModelSocket:
             # client still waiting hears what its record will say, if it can at once.
             exchange.answer_at_once(_Answer(502, MODEL_UNAVAILABLE))
             raise
-        except ProviderUnavailable as exc:
+        except _CallFailed as exc:
             self._land(call.index)
-            with self._lock:
-                self._failures.append((exc.refused, str(exc)))
+            if exc.blame is not None:
+                with self._lock:
+                    self._failures.append((exc.blame, exc.reason))
             logger.warning("model call %d failed: %s", call.index, exc)
             call.settle(self.ledger, Decimal(0))
             return self._audit(call, 502, MODEL_UNAVAILABLE, error=str(exc))
@@ -599,6 +665,10 @@ class ModelSocket:
         """The call ended in time: settling it is no longer __exit__'s job."""
         with self._lock:
             del self._in_flight[index]
+
+    def _deadline(self, call: _Call) -> float:
+        """When the call must be answered by (time.monotonic())."""
+        return min(call.clock + self.physics.model_timeout_seconds, self._wall_end)
 
     @staticmethod
     def _reserved(call: _Call) -> Decimal:
@@ -617,17 +687,19 @@ class ModelSocket:
         the life's wall time less model_margin_seconds if that is sooner. Each attempt
         runs on a model thread (waiting for the cap there, then one request whose every
         read the stall limit bounds) and is abandoned at the deadline. Raises
-        ProviderUnavailable for the last failure; every attempt is recorded on the call,
-        and each one the vendor may have billed is charged its reservation here.
+        _CallFailed for the last failure; every attempt is recorded on the call, and each
+        one the vendor may have billed is charged its reservation here.
         """
         timeout = self.physics.model_timeout_seconds
-        deadline = min(call.clock + timeout, self._wall_end)
+        deadline = self._deadline(call)
         late = (
             f"no answer within {timeout} s"
             if deadline < self._wall_end
             else "no answer in time to leave the organism its margin before the wall"
         )
         estimate = math.ceil(len(call.prompt) / CAP_BYTES_PER_TOKEN) + tokens
+        # The last attempt that reached the vendor, and its error: what the call counts as.
+        reached: tuple[ProviderUnavailable, str] | None = None
         for number in itertools.count(1):
             attempt = _Attempt(number, datetime.now(UTC), time.monotonic())
             call.current = attempt
@@ -676,6 +748,8 @@ class ModelSocket:
                     call.reserve(self.ledger, tokens)
                 except BudgetExhausted:
                     wait, error = None, f"{failure}; {NO_RETRY_BUDGET}"
+            if outcome != "no_slot":
+                reached = failure, error
             self._record(
                 call,
                 attempt,
@@ -688,7 +762,9 @@ class ModelSocket:
                 backoff=wait,
             )
             if wait is None:
-                raise ProviderUnavailable(error, refused=failure.refused)
+                if reached is None:
+                    raise _CallFailed(error, None, error)
+                raise _CallFailed(error, _blame(reached[0]), reached[1])
             waits.info(
                 "model call %d: attempt %d failed (%s); attempt %d at %s UTC, in %.0f s",
                 call.index,
@@ -715,13 +791,22 @@ class ModelSocket:
             attempt.admission = admission
             if admission is not None:
                 attempt.cap_waited = admission.waited_seconds
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise no_room(self.provider.name, attempt.cap_waited)
-            attempt.sent = time.monotonic()
-            return self.provider.generate(
-                prompt, tokens, min(self.retry.stall_seconds, left), self.context
-            )
+                with self._lock:
+                    self._holds[id(admission)] = admission
+            try:
+                left = deadline - time.monotonic()
+                # Once the life has ended nobody wants the answer, and __exit__ may
+                # have given the room back before this attempt held it.
+                if left <= 0 or self._ended.is_set():
+                    raise no_room(self.provider.name, attempt.cap_waited)
+                attempt.sent = time.monotonic()
+                return self.provider.generate(
+                    prompt, tokens, min(self.retry.stall_seconds, left), self.context
+                )
+            finally:
+                if admission is not None:
+                    with self._lock:
+                        self._holds.pop(id(admission), None)
 
     def _next_wait(
         self, number: int, failure: ProviderUnavailable, deadline: float

@@ -21,16 +21,20 @@ A cap has three limits, each off at 0:
   by a longer gap.
 
 An attempt waits for room until its call's deadline, never longer: that wait is the
-call's, and the socket records it per attempt. Trusts its callers' figures.
+call's, and the socket records it per attempt. The room is held until the block ends,
+or until ``Admission.release`` gives it back sooner: the socket does so for every
+attempt still running when its life ends, since nobody wants that answer any more and
+a hostile organism must not keep the fleet's room after its exit. Trusts its callers'
+figures.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 WINDOW_SECONDS = 60.0
@@ -50,12 +54,21 @@ class Cap:
     window_seconds: float = WINDOW_SECONDS
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Admission:
-    """Room under the cap for one request: how long it took, and any note on the cap."""
+    """Room under the cap for one request: how long it took, and any note on the cap.
+
+    release gives the room back before the block ends; it may be called from any
+    thread, any number of times, and the block's end after it does nothing more.
+    """
 
     waited_seconds: float
     note: str | None = None
+    release: Callable[[], None] = field(default=_nothing, compare=False, repr=False)
 
 
 class NoRoom(Exception):
@@ -111,12 +124,19 @@ class LocalThrottle:
                     raise no_room(provider, now - started)
                 self._changed.wait(min(wait, deadline - now, POLL_SECONDS))
             self._take(provider, tokens)
-        try:
-            yield Admission(time.monotonic() - started)
-        finally:
+        held = [True]
+
+        def release() -> None:
             with self._changed:
-                self._running[provider] -= 1
-                self._changed.notify_all()
+                if held:
+                    held.clear()
+                    self._running[provider] -= 1
+                    self._changed.notify_all()
+
+        try:
+            yield Admission(time.monotonic() - started, release=release)
+        finally:
+            release()
 
     def _wait(self, provider: str) -> float:
         """0 when there is room now, else how long to wait before looking again."""
