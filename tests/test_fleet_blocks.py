@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -544,3 +545,43 @@ def test_status_the_web_ui_metrics_and_reconcile_answer_past_naive_markers_and_a
     finally:
         served.stop()
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "[link=https://evil.example/]click here[/link]",
+        "[reverse]styled[/reverse] :smile:",
+        "closing what never opened [/bold]",
+    ],
+    ids=["link", "style", "unbalanced"],
+)
+def test_status_shows_a_reason_full_of_markup_as_written_and_exits_0(
+    fleet: Fleet, reason: str
+) -> None:
+    fleet.ok("init", "marked", *SMALL_PHYSICS)
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    queue = json.loads(fleet.ok("status", "marked", "--json").stdout)[0]["queue"]
+    record = json.loads(forged_block(queue))
+    client.set(leases.blocked_key("marked"), json.dumps({**record, "reason": reason}))
+
+    for columns in ("400", "80"):  # the wide table, and the narrow one
+        shown = fleet.cli("status", COLUMNS=columns, FORCE_COLOR="1")
+        assert shown.returncode == 0, shown.stderr
+        assert "Traceback" not in shown.stderr
+        assert "\x1b]8;" not in shown.stdout  # no hyperlink
+        assert "\x1b[7m" not in shown.stdout  # nothing reversed
+        # Folded at its spaces, the reason is still there as written.
+        assert reason.replace(" ", "") in state_column(shown.stdout), shown.stdout
+
+
+def state_column(table: str) -> str:
+    """The ``state`` column of a status table, its folded lines joined again (no spaces)."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", table).splitlines()
+    header = next(line for line in lines if "┃" in line and "state" in line)
+    at = [cell.strip() for cell in header.split("┃")].index("state")
+    return "".join(
+        line.split("│")[at].replace(" ", "")
+        for line in lines
+        if line.count("│") == header.count("┃")
+    )
