@@ -27,7 +27,7 @@ from support.fleet import SMALL_PHYSICS, Fleet, wait_for
 from support.rig import Rig, report
 
 from worker.fleet import blocks, capabilities, leases
-from worker.fleet.runs import queue_of
+from worker.fleet.runs import queue_of, tampered
 from worker.fleet.tasks import _after_landing
 from worker.instrument.errors import Refusal
 from worker.instrument.job import GenerationJob, ModelFailure
@@ -431,6 +431,32 @@ def forged_block(queue: str, **times: str) -> str:
             **times,
         }
     )
+
+
+def test_a_job_is_tampered_unless_its_model_and_prices_are_its_run_records(rig: Rig) -> None:
+    name, _ = rig.lineage("tamper")
+    run = rig.run(name, 2)
+    job = rig.planner.enqueue(name)
+    assert job is not None and job.prices is not None and job.run_id == run.run_id
+    record = rig.planner.run_record(name, run.run_id)
+    assert record == run
+    free = Prices(input_usd_per_mtok=Decimal(0), output_usd_per_mtok=Decimal(0))
+
+    assert tampered(job, record) is None
+    assert tampered(job.model_copy(update={"prices": free}), record) == (
+        f"its prices differ from the record of run {run.run_id}"
+    )
+    assert tampered(job.model_copy(update={"prices": None}), record) is not None
+    assert tampered(job.model_copy(update={"provider": "openai"}), record) == (
+        f"its provider differ from the record of run {run.run_id}"
+    )
+    assert tampered(job.model_copy(update={"model": "claude-opus-4-8"}), record) is not None
+    assert tampered(job, None) == f"it names run {run.run_id}, which has no record"
+    assert rig.planner.run_record(name, "20260301T000000000000Z-forged") is None
+    unrun = job.model_copy(update={"run_id": None})
+    assert tampered(unrun, None) == "it names no run, yet carries prices"
+    # A job of an older scheduler: no run, no prices, charged at the worker's own.
+    assert tampered(unrun.model_copy(update={"prices": None}), None) is None
 
 
 def test_a_job_with_a_naive_enqueued_at_is_not_a_job(rig: Rig) -> None:
