@@ -21,10 +21,10 @@ import contextlib
 import time
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from scheduler.liveness import UNREACHABLE, Workers, served_line
+from scheduler.output import plain
 from scheduler.sources import NOUNS, Source, why
 from scheduler.status import FAILURES, Fleet, LineageStatus, Outages
 
@@ -85,7 +85,8 @@ def watch(
     ``outage_limit`` seconds.
     """
     progress = Progress(
-        TextColumn("{task.description}"),
+        # A description holds what blocks the lineage, which anyone may write: no markup.
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -164,8 +165,11 @@ def _outages(
         if source not in lost:
             lost[source] = (now, line)
             console.print(
-                f"[yellow]lost {escape(line)}; the runs go on on the fleet; following again "
-                f"when it answers (giving up after {limit:.0f} s)[/]",
+                plain(
+                    f"lost {line}; the runs go on on the fleet; following again "
+                    f"when it answers (giving up after {limit:.0f} s)",
+                    "yellow",
+                ),
                 highlight=False,
                 soft_wrap=True,
             )
@@ -174,7 +178,10 @@ def _outages(
     for source in [source for source in lost if source not in outages]:
         since, _ = lost.pop(source)
         console.print(
-            f"[green]the {NOUNS[source]} answers again after {now - since:.0f} s; following[/]",
+            plain(
+                f"the {NOUNS[source]} answers again after {now - since:.0f} s; following",
+                "green",
+            ),
             highlight=False,
             soft_wrap=True,
         )
@@ -196,10 +203,10 @@ def _announce(
         unserved_since.setdefault(status.lineage, now)
         if said.get(status.lineage) != status.waiting:
             said[status.lineage] = status.waiting
-            console.print(f"[yellow]{escape(status.waiting)}[/]", highlight=False, soft_wrap=True)
+            console.print(plain(status.waiting, "yellow"), highlight=False, soft_wrap=True)
     elif status.lineage in unserved_since:
         del unserved_since[status.lineage]
         said.pop(status.lineage, None)
         if status.workers:
             line = served_line(status.lineage, str(status.queue), status.workers)
-            console.print(f"[green]{escape(line)}[/]", highlight=False, soft_wrap=True)
+            console.print(plain(line, "green"), highlight=False, soft_wrap=True)

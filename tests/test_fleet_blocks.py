@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -20,12 +21,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from pydantic import ValidationError
 from support.browse import Served
 from support.fleet import SMALL_PHYSICS, Fleet, wait_for
 from support.rig import Rig, report
 
 from worker.fleet import blocks, capabilities, leases
-from worker.fleet.runs import queue_of
+from worker.fleet.runs import queue_of, tampered
 from worker.fleet.tasks import _after_landing
 from worker.instrument.errors import Refusal
 from worker.instrument.job import GenerationJob, ModelFailure
@@ -409,3 +411,203 @@ def test_status_and_the_web_ui_show_why_a_lineage_is_blocked_and_when_it_is_retr
         assert 'ouroboros_lineage_blocked{lineage="shown"} 0.0' in served.get("/metrics").text
     finally:
         served.stop()
+
+
+# -- what anyone who writes the fleet's Redis can forge -------------------------------------
+
+NAIVE = "2026-03-01T12:00:00"
+
+
+def forged_block(queue: str, **times: str) -> str:
+    """A blocked marker as a worker writes one, but with ``times`` (since, retry_at) as given."""
+    return json.dumps(
+        {
+            "kind": "worker",
+            "reason": "OPENAI_API_KEY is not set",
+            "provider": "openai",
+            "queue": queue,
+            "node": NODE,
+            "since": "2026-03-01T12:00:00+00:00",
+            **times,
+        }
+    )
+
+
+def test_a_job_is_tampered_unless_its_model_and_prices_are_its_run_records(rig: Rig) -> None:
+    name, _ = rig.lineage("tamper")
+    run = rig.run(name, 2)
+    job = rig.planner.enqueue(name)
+    assert job is not None and job.prices is not None and job.run_id == run.run_id
+    record = rig.planner.run_record(name, run.run_id)
+    assert record == run
+    free = Prices(input_usd_per_mtok=Decimal(0), output_usd_per_mtok=Decimal(0))
+
+    assert tampered(job, record) is None
+    assert tampered(job.model_copy(update={"prices": free}), record) == (
+        f"its prices differ from the record of run {run.run_id}"
+    )
+    assert tampered(job.model_copy(update={"prices": None}), record) is not None
+    assert tampered(job.model_copy(update={"provider": "openai"}), record) == (
+        f"its provider differ from the record of run {run.run_id}"
+    )
+    assert tampered(job.model_copy(update={"model": "claude-opus-4-8"}), record) is not None
+    assert tampered(job, None) == f"it names run {run.run_id}, which has no record"
+    assert rig.planner.run_record(name, "20260301T000000000000Z-forged") is None
+    unrun = job.model_copy(update={"run_id": None})
+    assert tampered(unrun, None) == "it names no run, yet carries prices"
+    # A job of an older scheduler: no run, no prices, charged at the worker's own.
+    assert tampered(unrun.model_copy(update={"prices": None}), None) is None
+
+
+def test_a_job_with_a_naive_enqueued_at_is_not_a_job(rig: Rig) -> None:
+    name, _ = rig.lineage("naive-job")
+    rig.run(name, 1)
+    job = rig.planner.enqueue(name)
+    assert job is not None
+    payload = job.model_dump(mode="json")
+
+    with pytest.raises(ValidationError, match="timezone"):
+        GenerationJob.model_validate({**payload, "enqueued_at": NAIVE})
+    assert GenerationJob.model_validate({**payload, "enqueued_at": NAIVE + "+05:00"})
+
+
+@pytest.mark.parametrize(
+    "times",
+    [{"since": NAIVE}, {"retry_at": NAIVE}, {"retry_at": "9999-12-31T23:00:00-05:00"}],
+    ids=["naive-since", "naive-retry-at", "beyond-utc"],
+)
+def test_a_blocked_marker_with_a_time_no_worker_writes_is_removed_once_and_blocks_nothing(
+    rig: Rig, caplog: pytest.LogCaptureFixture, times: dict[str, str]
+) -> None:
+    name, _ = rig.lineage("naive-block")
+    rig.run(name, 1)
+    rig.client.set(leases.blocked_key(name), forged_block(queue_in(rig, name), **times))
+
+    with caplog.at_level(logging.WARNING, "ouroboros.worker"):
+        assert leases.blocks(rig.client).get(name) is None
+        assert leases.blocked(rig.client, name) is None
+        assert rig.planner.enqueue(name) is not None
+
+    assert rig.client.exists(leases.blocked_key(name)) == 0
+    removed = [r for r in caplog.records if "removed a blocked marker" in r.getMessage()]
+    assert len(removed) == 1
+
+
+def test_a_marker_at_another_offset_is_read_in_utc(rig: Rig) -> None:
+    name, _ = rig.lineage("offset")
+    retry_at = "2999-01-01T05:30:00+05:30"
+    rig.client.set(leases.blocked_key(name), forged_block(queue_in(rig, name), retry_at=retry_at))
+
+    record = leases.blocked(rig.client, name)
+
+    assert record is not None and record.retry_at == datetime(2999, 1, 1, tzinfo=UTC)
+    assert "retried at 2999-01-01 00:00:00 UTC" in record.describe()
+
+
+def test_an_advert_with_a_naive_start_is_removed_once_and_the_recheck_goes_on(
+    rig: Rig, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, _ = refused_by_worker(rig, "naive-advert")
+    queue = queue_in(rig, name)
+    forged = capabilities.advert_key(rig.name("naive"))
+    advert = {"node": "x", "queue": queue, "providers": ["openai"], "started": NAIVE}
+    rig.client.set(forged, json.dumps(advert))
+    blocked = leases.blocked(rig.client, name)
+    assert blocked is not None
+    # A second marker, with a naive time, on the same queue.
+    other, _ = rig.lineage("naive-beside")
+    rig.client.set(leases.blocked_key(other), forged_block(queue, since=NAIVE))
+
+    with caplog.at_level(logging.WARNING, "ouroboros.worker"):
+        assert all(advert.node != "x" for advert in capabilities.adverts(rig.client, queue))
+        assert rig.client.exists(forged) == 0
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-a-real-key")
+        enqueued: list[str] = []
+        capabilities.advertise_once(
+            rig.name("w"),
+            queue,
+            rig.planner.settings,
+            rig.client,
+            blocked.since,
+            set(),
+            enqueued.append,
+        )
+
+    assert name in enqueued and other not in enqueued
+    assert rig.client.exists(leases.blocked_key(other)) == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "removed an advertisement" in m and forged in m]) == 1
+    assert len([m for m in said if "removed a blocked marker" in m and other in m]) == 1
+
+
+def test_status_the_web_ui_metrics_and_reconcile_answer_past_naive_markers_and_adverts(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    fleet.ok("init", "naive", *SMALL_PHYSICS)
+    fleet.ok("run", "naive", "--generations", "1")  # no worker: the run waits
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    queue = json.loads(fleet.ok("status", "naive", "--json").stdout)[0]["queue"]
+    advert = {"node": "x", "queue": queue, "providers": ["scripted"], "started": NAIVE}
+
+    def forge() -> None:
+        client.set(leases.blocked_key("naive"), forged_block(queue, retry_at=NAIVE))
+        client.set(capabilities.advert_key("x"), json.dumps(advert))
+
+    forge()
+    row = json.loads(fleet.ok("status", "naive", "--json").stdout)[0]
+    assert row["blocked"] is None and row["run_id"] is not None
+    forge()
+    assert "naive" in fleet.ok("status", COLUMNS="200").stdout
+    forge()
+    assert fleet.ok("run", "naive", "--generations", "1").returncode == 0
+    forge()
+    assert fleet.ok("reconcile").returncode == 0
+    served = Served(fleet, tmp_path / "serve.log")
+    try:
+        for path in ("/", "/lineages/naive", "/metrics", "/api/", "/api/lineages/naive"):
+            forge()
+            answer = served.get(path)
+            assert answer.status_code == 200, (path, answer.text)
+    finally:
+        served.stop()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "[link=https://evil.example/]click here[/link]",
+        "[reverse]styled[/reverse] :smile:",
+        "closing what never opened [/bold]",
+    ],
+    ids=["link", "style", "unbalanced"],
+)
+def test_status_shows_a_reason_full_of_markup_as_written_and_exits_0(
+    fleet: Fleet, reason: str
+) -> None:
+    fleet.ok("init", "marked", *SMALL_PHYSICS)
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    queue = json.loads(fleet.ok("status", "marked", "--json").stdout)[0]["queue"]
+    record = json.loads(forged_block(queue))
+    client.set(leases.blocked_key("marked"), json.dumps({**record, "reason": reason}))
+
+    for columns in ("400", "80"):  # the wide table, and the narrow one
+        shown = fleet.cli("status", COLUMNS=columns, FORCE_COLOR="1")
+        assert shown.returncode == 0, shown.stderr
+        assert "Traceback" not in shown.stderr
+        assert "\x1b]8;" not in shown.stdout  # no hyperlink
+        assert "\x1b[7m" not in shown.stdout  # nothing reversed
+        # Folded at its spaces, the reason is still there as written.
+        assert reason.replace(" ", "") in state_column(shown.stdout), shown.stdout
+
+
+def state_column(table: str) -> str:
+    """The ``state`` column of a status table, its folded lines joined again (no spaces)."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", table).splitlines()
+    header = next(line for line in lines if "┃" in line and "state" in line)
+    at = [cell.strip() for cell in header.split("┃")].index("state")
+    return "".join(
+        line.split("│")[at].replace(" ", "")
+        for line in lines
+        if line.count("│") == header.count("┃")
+    )

@@ -2,22 +2,26 @@
 
 Real ``celery -A worker worker`` processes on a private database of the machine's
 Redis, the real pipeline (bwrap, Emacs, cgroups, git) and a file observation store;
-the CLI as a subprocess. The rules themselves are tested fast in ``test_fleet_blocks``.
+the CLI as a subprocess; hostile job messages written straight into Redis, as anyone
+who reaches it can. The rules themselves are tested fast in ``test_fleet_blocks``.
 """
 
 from __future__ import annotations
 
+import base64
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 
 import pytest
 import redis
-from support.fleet import SMALL_PHYSICS, Fleet, Worker, wait_for
+from support.fleet import SMALL_PHYSICS, Fleet, Worker, task_envelope, wait_for
 from support.lives import assert_linear, generations, start
 from support.vendor import StandIn, message, openai_response, output_text, running_stand_in
 
-from worker.fleet import blocks, capabilities
+from worker.fleet import blocks, capabilities, leases
+from worker.fleet.app import GENERATION_TASK
 from worker.instrument.model.prices import builtin_prices
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root, pytest.mark.timeout(600)]
@@ -145,3 +149,105 @@ def test_two_workers_with_different_price_settings_charge_a_lineage_alike(
         assert Decimal(str(observation["spent_usd"])) == sum(
             (Decimal(str(call["cost_usd"])) for call in calls), Decimal(0)
         )
+
+
+FREE = {"input_usd_per_mtok": "0", "output_usd_per_mtok": "0"}
+
+
+def rewrite_queued(client: redis.Redis, change: Callable[[dict[str, object]], object]) -> str:
+    """Rewrite the payload of the one job waiting on a generation queue; its task id."""
+    (queue,) = [key for key in client.scan_iter("gen.*") if client.type(key) == b"list"]
+    (raw,) = client.lrange(queue, 0, -1)
+    envelope = json.loads(raw)
+    args, kwargs, embed = json.loads(base64.b64decode(envelope["body"]))
+    kwargs["payload"] = change(kwargs["payload"])
+    envelope["body"] = base64.b64encode(json.dumps([args, kwargs, embed]).encode()).decode()
+    with client.pipeline() as pipe:  # MULTI: no worker is up, but nothing sees it half done
+        pipe.delete(queue)
+        pipe.rpush(queue, json.dumps(envelope))
+        pipe.execute()
+    return str(envelope["headers"]["id"])
+
+
+def test_a_job_rewritten_to_cost_nothing_is_rejected_and_its_run_lands_at_its_records_prices(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "cheated", *SMALL_PHYSICS)
+    fleet.ok("run", "cheated", "--generations", "1")  # queued: no worker is up yet
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    task_id = rewrite_queued(client, lambda payload: {**payload, "prices": FREE})
+
+    worker = start(fleet, workers, "w1")
+    wait_for(lambda: fleet.observation_numbers("cheated") == [1], 240, "the run's generation")
+
+    assert (
+        f"cheated: rejected job {task_id} as tampered (its prices differ from the record of run "
+        in worker.text()
+    )
+    assert_linear(fleet, "cheated", 1)
+    observation = fleet.observation("cheated", 1)
+    table = builtin_prices("scripted", "scripted")
+    assert table is not None
+    calls = observation["model_calls"]
+    assert isinstance(calls, list) and calls, observation
+    for call in calls:
+        assert Decimal(str(call["cost_usd"])) == table.cost_usd(
+            call["input_tokens"], call["output_tokens"]
+        )
+    assert Decimal(str(observation["spent_usd"])) > 0
+    assert "Traceback" not in worker.text()
+
+
+def test_forged_jobs_naming_no_run_with_prices_or_a_naive_time_are_rejected_before_a_life(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "forged", *SMALL_PHYSICS)
+    queue = status_of(fleet, "forged")["queue"]
+    head = fleet.git("rev-parse", "lineage-forged").strip()
+    worker = start(fleet, workers, "w1")
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    job = {"lineage": "forged", "expected_commit": head, "provider": "scripted"}
+    hostile = {
+        "it names no run, yet carries prices": {**job, "prices": FREE},
+        "enqueued_at: Input should have timezone info": {
+            **job,
+            "run_id": "20260301T000000000000Z-abcdef",
+            "enqueued_at": "2026-03-01T12:00:00",
+        },
+    }
+
+    for said, payload in hostile.items():
+        client.lpush(
+            str(queue), json.dumps(task_envelope(GENERATION_TASK, [[], {"payload": payload}, {}]))
+        )
+        wait_for(lambda said=said: said in worker.text(), 60, f"the rejection: {said}")
+
+    log = worker.text()
+    assert "forged: rejected job hostile as tampered (it names no run, yet carries prices)" in log
+    assert "rejected malformed job hostile: enqueued_at: Input should have timezone info" in log
+    assert generations(fleet, "forged") == []
+    assert fleet.observation_numbers("forged") == []
+    assert worker.process.poll() is None and "Traceback" not in log
+
+
+def test_a_job_whose_run_record_cannot_be_read_is_not_run_and_blocks_its_lineage_for_a_recheck(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "unread", *SMALL_PHYSICS)
+    fleet.ok("run", "unread", "--generations", "1")  # queued: no worker is up yet
+    record = next((fleet.observations / "lineages" / "unread" / "runs").glob("*.json"))
+    run_id = record.stem
+    # The store fails to read that one object (ELOOP), as a store that is away would.
+    record.unlink()
+    os.symlink(record.name, record)
+
+    worker = start(fleet, workers, "w1")
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    blocked = wait_for(lambda: leases.blocked(client, "unread"), 120, "the lineage's block")
+
+    assert blocked.kind == "worker" and blocked.run_id == run_id
+    assert blocked.reason.startswith(f"the prices of run {run_id} cannot be checked now: ")
+    assert blocked.retry_at is not None
+    assert (blocked.retry_at - blocked.since).total_seconds() == blocks.RECHECK_SECONDS
+    assert "unread: not running " in worker.text()
+    assert generations(fleet, "unread") == [] and leases.in_flight(client, "unread") is None

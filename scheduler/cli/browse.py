@@ -16,7 +16,6 @@ Trusts: the settings (as ``schedule-lineage`` loads them).
 from __future__ import annotations
 
 import ipaddress
-import re
 import socket
 import sys
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from rich.text import Text
 
 from scheduler.cli.common import load_settings
 from scheduler.importer import import_bundle
-from scheduler.output import console, warn
+from scheduler.output import console, plain, warn
 from scheduler.reader import NotFound, Reader, open_reader, parse_generation
 from scheduler.views import GenerationRow, GenerationView, JournalRow, is_death
 from worker.fleet.places import require_places
@@ -39,16 +38,9 @@ from worker.instrument.errors import Refusal
 from worker.instrument.records import Observation
 from worker.instrument.store import StoreUnavailable
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
 
 def _reader() -> Reader:
     return open_reader(load_settings())
-
-
-def _plain(text: str | None, style: str = "") -> Text:
-    """Lineage text as inert terminal output: no markup, control characters escaped."""
-    return Text(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text or ""), style=style)
 
 
 def _json(model: Any, value: object) -> None:
@@ -90,8 +82,11 @@ def import_bundle_command(bundle: Path, name: str) -> None:
     require_places(settings, write=True, missing_ok=True)
     head = import_bundle(bundle, name, settings.lineage_repo_url)
     console.print(
-        f"imported lineage [bold]{name}[/] (branch lineage-{name} at {head[:12]}) into "
-        f"{settings.lineage_repo_url}",
+        Text.assemble(
+            "imported lineage ",
+            (name, "bold"),
+            f" (branch lineage-{name} at {head[:12]}) into {settings.lineage_repo_url}",
+        ),
         highlight=False,
     )
 
@@ -108,11 +103,11 @@ def journal_command(name: str, as_json: bool) -> None:
     if as_json:
         _json(list[JournalRow], rows)
         return
-    console.print(_plain(f"genealogy: {family.line}"))
+    console.print(plain(f"genealogy: {family.line}"))
     if family.parent is not None:
         parent = family.parent
         console.print(
-            _plain(
+            plain(
                 f"seeded from {parent.lineage} commit {parent.commit}, instrument "
                 f"{(parent.instrument_fingerprint or 'none')[:12]} "
                 f"v{parent.instrument_version or '-'}"
@@ -126,13 +121,13 @@ def journal_command(name: str, as_json: bool) -> None:
     table.add_column("subject / journal")
     for row in rows:
         commit = row.commit
-        text = _plain(commit.subject, "italic" if commit.generation is None else "")
+        text = plain(commit.subject, "italic" if commit.generation is None else "")
         if row.entry and (row.entry.exit_status is not None or row.entry.stderr_lines):
             text.append("\n")
-            text.append_text(_plain(f"exit {row.entry.exit_status}", "red"))
+            text.append_text(plain(f"exit {row.entry.exit_status}", "red"))
             for line in row.entry.stderr_lines:
                 text.append("\n")
-                text.append_text(_plain(line, "dim"))
+                text.append_text(plain(line, "dim"))
         table.add_row(
             str(commit.generation) if commit.generation is not None else "—",
             Text(commit.kind, style=_outcome_style(commit.kind)),
@@ -199,15 +194,15 @@ def _print_generation(view: GenerationView) -> None:
     facts.add_row("generation", f"{row.commit.generation} of {view.lineage}")
     facts.add_row("outcome", _outcome(row))
     facts.add_row("commit", f"{row.commit.sha} (parent {view.parent or '—'})")
-    facts.add_row("subject", _plain(row.commit.subject))
+    facts.add_row("subject", plain(row.commit.subject))
     if o is not None:
         for label, value in _observation_facts(o):
-            facts.add_row(label, _plain(value))
+            facts.add_row(label, plain(value))
         if o.model_failure is not None:
             failure = o.model_failure
             facts.add_row(
                 "provider failure",
-                _plain(
+                plain(
                     f"{failure.kind}: {failure.failed_calls} calls failed, "
                     f"{failure.answered_calls} answered; {failure.reason}"
                 ),
@@ -217,7 +212,7 @@ def _print_generation(view: GenerationView) -> None:
     console.print(facts)
     if view.journal:
         console.rule("journal entry")
-        console.print(_plain(view.journal.text))
+        console.print(plain(view.journal.text))
     if o is not None and o.model_calls:
         calls = Table(title="model calls")
         for column in (
@@ -247,7 +242,7 @@ def _print_generation(view: GenerationView) -> None:
         console.print(calls)
     if o is not None and o.stderr:
         console.rule("stderr")
-        console.print(_plain(o.stderr))
+        console.print(plain(o.stderr))
 
 
 def _observation_facts(o: Observation) -> list[tuple[str, str]]:
@@ -290,8 +285,11 @@ def serve_command(host: str | None, port: int | None) -> None:
     app = create_app(open_reader(settings), settings=settings)
     if not _loopback(host):
         console.print(
-            f"[yellow]warning:[/] binding {host}: the browser has no authentication; put it "
-            "behind an authenticating reverse proxy (docs/browsing.md)",
+            Text.assemble(
+                ("warning:", "yellow"),
+                f" binding {host}: the browser has no authentication; put it "
+                "behind an authenticating reverse proxy (docs/browsing.md)",
+            ),
             highlight=False,
         )
     # Bound here, before saying so: a busy port is one line and exit 1, never "serving"

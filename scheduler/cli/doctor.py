@@ -10,9 +10,11 @@ import sys
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from scheduler.cli.common import emit, load_settings
 from scheduler.doctor import Check, checks
+from scheduler.output import plain
 from worker.instrument.identity import IdentityPool
 
 
@@ -30,8 +32,12 @@ def doctor(as_json: bool) -> None:
     results = [Check(name="identity", ok=True, detail=identities.describe()), *checks(settings)]
     table = Table("check", "ok", "detail")
     for check in results:
-        mark = "[green]ok[/]" if check.ok else ("[red]missing[/]" if check.essential else "-")
-        table.add_row(check.name, mark, check.detail)
+        mark = (
+            Text("ok", "green")
+            if check.ok
+            else (Text("missing", "red") if check.essential else Text("-"))
+        )
+        table.add_row(check.name, mark, plain(check.detail))
     emit(results, as_json, lambda: table)
     if not all(check.ok for check in results if check.essential):
         sys.exit(1)

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from pydantic import ValidationError
+from rich.text import Text
 
 from scheduler.cli.common import USD, load_settings
 from scheduler.fork import describe as describe_fork
 from scheduler.fork import resolve, seed_of
-from scheduler.output import console, warn
+from scheduler.output import console, plain, warn
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
 from worker.fleet.places import require_places
 from worker.fleet.settings import Settings
@@ -110,8 +111,12 @@ def init(name: str, seed: Path | None, **physics_options: object) -> None:
         warn("note", made)
     meta = create(settings, name, read_seed(seed) if seed else current().seed, physics)
     console.print(
-        f"created lineage [bold]{meta.name}[/] (branch lineage-{meta.name}) in "
-        f"{settings.lineage_repo_url}; instrument {meta.instrument_fingerprint[:12]}"
+        Text.assemble(
+            "created lineage ",
+            (meta.name, "bold"),
+            f" (branch lineage-{meta.name}) in {settings.lineage_repo_url}; "
+            f"instrument {meta.instrument_fingerprint[:12]}",
+        )
     )
 
 
@@ -276,7 +281,7 @@ def run(
         )
         sys.exit(130)
     for status in final:
-        console.print(describe(status), highlight=False)
+        console.print(plain(describe(status)), highlight=False)
     if any(status.blocked and not status.stopped for status in final):
         sys.exit(1)
 
@@ -315,8 +320,11 @@ def run_local(
                 continue
             pending = "" if report.observation_stored else " (observation pending)"
             console.print(
-                f"{name} gen {report.generation}: [bold]{report.outcome}[/] "
-                f"{report.commit[:12]} spent ${report.spent_usd}{pending}",
+                Text.assemble(
+                    f"{name} gen {report.generation}: ",
+                    (report.outcome, "bold"),
+                    f" {report.commit[:12]} spent ${report.spent_usd}{pending}",
+                ),
                 highlight=False,
             )
 

@@ -7,7 +7,9 @@ spend of its budget), with the same figures as the web UI's overview. Below
 outcome, the backlog, the genealogy; ``--json`` has them all), and no column is ever
 cut to an ellipsis: a long value folds onto the next line instead. A field whose
 source did not answer is shown as ``?``, and each such source gets one line on
-stderr; the exit status stays 0 whenever the shared repository answered.
+stderr; the exit status stays 0 whenever the shared repository answered. Every value
+is shown as plain text (``scheduler.output.plain``): a blocked marker's reason is
+anyone's to write, and its markup must neither style nor link nor crash the table.
 
 Imported only when ``status`` runs or its help is asked (see ``scheduler.cli``).
 """
@@ -59,18 +61,18 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
         for source, line in down.items():
             warn("warning", f"{line}; {UNKNOWN_PARTS[source]} unknown (?)")
     if not as_json:
-        from scheduler.output import console
+        from scheduler.output import console, plain
 
         for row in rows:
             if row.waiting:
-                console.print(row.waiting, highlight=False, soft_wrap=True)
+                console.print(plain(row.waiting), highlight=False, soft_wrap=True)
 
 
 def _table(rows: list[LineageStatus]) -> Table:
     """The status table, narrow on a narrow page; rich is imported only when one is printed."""
     from rich.table import Table
 
-    from scheduler.output import console
+    from scheduler.output import console, plain
 
     narrow = console.width < NARROW_COLUMNS
     columns = ["lineage", "gens", "deaths", "spent", "run", "run spent"]
@@ -90,22 +92,24 @@ def _table(rows: list[LineageStatus]) -> Table:
         ]
         run = [_run(row, store), _run_spent(row, store)]
         if narrow:
-            table.add_row(*lineage, *run, _state(row, short=True))
-            continue
-        table.add_row(
-            *lineage,
-            *run,
-            _known(("yes" if row.in_flight else "no"), broker),
-            (
-                (row.last_outcome or "-")
-                + (" (model unavailable)" if row.last_model_unavailable else "")
-            )
-            if store
-            else UNKNOWN,
-            _known(row.observation_backlog, store),
-            _state(row, short=False),
-            row.genealogy.line,
-        )
+            cells = [*lineage, *run, _state(row, short=True)]
+        else:
+            cells = [
+                *lineage,
+                *run,
+                _known(("yes" if row.in_flight else "no"), broker),
+                (
+                    (row.last_outcome or "-")
+                    + (" (model unavailable)" if row.last_model_unavailable else "")
+                )
+                if store
+                else UNKNOWN,
+                _known(row.observation_backlog, store),
+                _state(row, short=False),
+                row.genealogy.line,
+            ]
+        # Every cell holds what Redis, the store or git said: shown as written, never markup.
+        table.add_row(*(plain(cell) for cell in cells))
     return table
 
 

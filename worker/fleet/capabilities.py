@@ -14,7 +14,8 @@ provider's name goes there), its base URL valid. Prices are not a worker's to kn
 a run carries its own (``worker.fleet.runs.RunRecord.prices``).
 
 Trusts nothing it reads back: anyone who reaches Redis may write these keys, so an
-advertisement that is not one a worker writes is skipped, never shown raw.
+advertisement that is not one a worker writes (a naive start time included) is
+removed and said once, never shown raw.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Advert(BaseModel):
     node: str = Field(pattern=r"^[A-Za-z0-9@._-]{1,200}$")
     queue: str = Field(pattern=r"^gen\.[0-9a-f]{12}$")
     providers: list[Literal[PROVIDER_NAMES]]  # type: ignore[valid-type]
-    started: datetime
+    started: leases.UtcTime
 
 
 def servable(settings: InstrumentSettings) -> list[str]:
@@ -88,9 +89,18 @@ def adverts(client: redis.Redis, queue: str) -> list[Advert]:
     for key in client.scan_iter(f"{_ADVERTS}*"):
         try:
             value = client.get(key)
-            advert = Advert.model_validate_json(value or b"")
-        except (redis.ResponseError, ValidationError):
-            continue  # another type, or not a worker's: nothing to learn from it
+        except redis.ResponseError:
+            continue  # another type: nothing to learn from it
+        if value is None:
+            continue  # expired meanwhile
+        try:
+            advert = Advert.model_validate_json(value)
+        except ValidationError:
+            # Not a worker's (a naive start time included): gone, and said once, rather
+            # than read again at every turn of every reader.
+            client.delete(key)
+            log.warning("removed an advertisement that no worker wrote: %r", key)
+            continue
         if advert.queue == queue and key.decode(errors="replace") == advert_key(advert.node):
             found.append(advert)
     return found

@@ -28,8 +28,8 @@ holder record whose names are not the fleet's is removed, never logged raw or pl
 and a key of another Redis type than the string the fleet writes there (which makes
 every command on it fail with WRONGTYPE) is removed and the command run again, as if
 the key had been absent (``_repairing``), and a blocked marker that is not a ``Block``
-is removed and said once. Each key's name is spelled once, in the ``*_key`` functions
-below.
+(a naive time in it included: ``UtcTime``) is removed and said once. Each key's name
+is spelled once, in the ``*_key`` functions below.
 
 Correctness never rests on these: the compare-and-swap push and the write-once
 observation make a lost lease or marker harmless. Losing all of Redis loses only
@@ -48,10 +48,18 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal, TypeVar, cast
+from typing import Annotated, Literal, TypeVar, cast
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from redis.typing import EncodableT
@@ -74,6 +82,18 @@ _PID = re.compile(r"[0-9]{1,7}")
 _HOLDERS = f"{PREFIX}:holder:"
 _BLOCKED = f"{PREFIX}:blocked:"
 _T = TypeVar("_T")
+
+
+def _in_utc(value: datetime) -> datetime:
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("out of range in UTC") from None
+
+
+# A time read back from Redis: with its offset (a naive one cannot be compared with the
+# fleet's own, and would crash every reader that did), and said in UTC.
+UtcTime = Annotated[AwareDatetime, AfterValidator(_in_utc)]
 
 
 def lease_key(lineage: str) -> str:
@@ -553,9 +573,9 @@ class Block(BaseModel):
     queue: str = Field(pattern=r"^gen\.[0-9a-f]{12}$")
     # The worker that set it (its Celery node name).
     node: str = Field(pattern=r"^[A-Za-z0-9@._-]{1,200}$")
-    since: datetime
+    since: UtcTime
     # When the lineage is planned again by itself; None: only once the cause is fixed.
-    retry_at: datetime | None = None
+    retry_at: UtcTime | None = None
     # How many pauses of this run came one after another (each one twice as long).
     pauses: int = Field(0, ge=0, le=64)
 

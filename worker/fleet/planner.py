@@ -106,6 +106,11 @@ class Planner:
         records = [RunRecord.model_validate_json(self.store.get(key) or b"{}") for key in keys]
         return sorted(records, key=lambda run: (run.created_at, run.run_id))
 
+    def run_record(self, lineage: str, run_id: str) -> RunRecord | None:
+        """The durable record of run ``run_id`` of ``lineage``; None if there is none."""
+        data = self.store.get(run_key(lineage, run_id))
+        return None if data is None else RunRecord.model_validate_json(data)
+
     def latest_run(self, lineage: str) -> RunRecord | None:
         runs = self.runs(lineage)
         return runs[-1] if runs else None

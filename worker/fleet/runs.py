@@ -2,10 +2,11 @@
 
 Owns the run record (``runs/<run-id>.json``, written only by the scheduler), the one
 rule for a run's progress and the reason it stopped (derived from the repository and
-the lineage index, never stored), the job that advances a run, and the queue and time
-limit of a lineage's jobs. The planner (write side) and the readers (status, the web
-UI) both use these rules, so they agree; nothing here touches a broker, a store or a
-sandbox.
+the lineage index, never stored), the job that advances a run, the rule that a job's
+model and prices are its run record's (``tampered``: a job message is anyone's to write
+who reaches Redis), and the queue and time limit of a lineage's jobs. The planner
+(write side) and the readers (status, the web UI) both use these rules, so they agree;
+nothing here touches a broker, a store or a sandbox.
 """
 
 from __future__ import annotations
@@ -122,3 +123,25 @@ def job_of(run: RunRecord, head: str, remaining_usd: Decimal) -> GenerationJob:
         enqueued_at=datetime.now(UTC),
         prices=run.prices,
     )
+
+
+# What a job must agree on with its run's record: the model it calls and the prices it
+# is charged at. Fixed when the run starts; a cancellation changes neither.
+RUN_TERMS = ("provider", "model", "prices")
+
+
+def tampered(job: GenerationJob, run: RunRecord | None) -> str | None:
+    """Why ``job`` is no job its run's scheduler sent (``run``: the durable record of the
+    run it names, None if there is none); None when it may be.
+
+    A job of no run (an older scheduler's) is charged at the worker's own prices, so it
+    may carry none of its own.
+    """
+    if job.run_id is None:
+        return "it names no run, yet carries prices" if job.prices is not None else None
+    if run is None:
+        return f"it names run {job.run_id}, which has no record"
+    for term in RUN_TERMS:
+        if getattr(job, term) != getattr(run, term):
+            return f"its {term} differ from the record of run {job.run_id}"
+    return None

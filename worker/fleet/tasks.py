@@ -3,10 +3,10 @@
 Owns ``worker_app``, which ``worker.celery`` calls once to build the app that
 ``celery -A worker worker`` runs: the client configuration of ``worker.fleet.app``,
 the queues this worker serves (its own instrument's ``gen.<fingerprint12>`` and the
-control queue), the generation task (validate the payload, hold the lineage's lease
-while the pipeline runs, then plan what comes next), the reconcile task that beat
-schedules, the start-up preflight (a working ceiling, the observation store of an
-existing fleet present, the spool drained), the freeze
+control queue), the generation task (validate the payload, check it against its run's
+record, hold the lineage's lease while the pipeline runs, then plan what comes next),
+the reconcile task that beat schedules, the start-up preflight (a working ceiling, the
+observation store of an existing fleet present, the spool drained), the freeze
 of the parent's objects before the pool forks (so the pool children share their
 pages), and the main process's watch over what it holds: the markers of the jobs it
 has fetched (renewed every third of ``lease_seconds`` until each job ends, so a
@@ -27,10 +27,15 @@ re-checks the lineages blocked on its queue (``worker.fleet.capabilities``). A r
 here, or a generation whose model calls failed at the provider, blocks or pauses the
 lineage and sends no follow-up (``worker.fleet.blocks``).
 
-Trusts: its settings, its instrument and the broker. Trusts no message: the transport
-(``worker.fleet.transport``) drops whatever is not a JSON Celery message of a task this
-queue carries, and a payload that is not a valid job is rejected with a logged reason;
-either way the worker serves on.
+Trusts: its settings, its instrument, the observation store and the broker. Trusts no
+message: the transport (``worker.fleet.transport``) drops whatever is not a JSON Celery
+message of a task this queue carries, and a payload that is not a valid job is rejected
+with a logged reason; either way the worker serves on. A life is charged at its run
+record's prices, never a message's: a job whose model or prices are not its run
+record's (``worker.fleet.runs.tampered``) is rejected as tampered, logged at error level,
+nothing run, and its run planned anew; one whose record cannot be read now (the store
+away, and the record not read by this pool child before) blocks its lineage for
+``blocks.RECHECK_SECONDS``, after which the reconcile pass plans it again.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
+from functools import cache, lru_cache
 
 import redis
 from celery import Celery, Task, signals
@@ -68,6 +73,7 @@ from worker.fleet.assembly import build_pipeline, lineage_cache, observation_sto
 from worker.fleet.outage import Outage, probe
 from worker.fleet.places import require_store_of_fleet
 from worker.fleet.planner import Planner
+from worker.fleet.runs import RunRecord, tampered
 from worker.fleet.settings import Settings
 from worker.fleet.transport import ScreeningAMQP
 from worker.instrument.errors import Refusal, StaleJob
@@ -83,6 +89,9 @@ SWEEP_SECONDS = 1.0
 # A worker's sends (follow-ups, recoveries) wait out a broker restart as its Redis
 # clients do (about 12 s); Celery's default gives up after 0.6 s.
 PUBLISH_RETRY = {"max_retries": 14, "interval_start": 0, "interval_step": 0.25, "interval_max": 1}
+# The run records a pool child remembers: their model and prices never change, so a
+# store outage stops no run whose record the child has read before.
+RUNS_REMEMBERED = 256
 
 log = logging.getLogger("ouroboros.worker")
 
@@ -137,6 +146,12 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     def planner() -> Planner:
         return planner_on(child_client())
 
+    @lru_cache(maxsize=RUNS_REMEMBERED)
+    def run_record(lineage: str, run_id: str) -> RunRecord | None:
+        # Only its model and prices are read from it: a cancellation, which changes the
+        # record, is the cancel flag's to tell.
+        return planner().run_record(lineage, run_id)
+
     @app.task(name=GENERATION_TASK, bind=True)
     def generation(self: Task[..., str], payload: object = None) -> str:
         """Run one generation; then plan the lineage's next one."""
@@ -153,6 +168,25 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             leases.clear_in_flight(client, job.lineage, request.id)
             _plan_next(planner(), job, None)
             return "cancelled"
+        try:
+            run = run_record(job.lineage, job.run_id) if job.run_id else None
+        except StoreUnavailable as exc:
+            # Unchecked prices are never charged: the lineage waits for the re-check,
+            # when the reconcile pass (or a worker's re-check) plans it again.
+            reason = f"the prices of run {job.run_id} cannot be checked now: {exc}"
+            log.error("%s: not running %s: %s", job.lineage, request.id, reason)
+            blocks.block(client, job, request.hostname, instrument.queue, "worker", reason)
+            leases.clear_in_flight(client, job.lineage, request.id)
+            return "unchecked"
+        why = tampered(job, run)
+        if why is not None:
+            log.error(
+                "%s: rejected job %s as tampered (%s); nothing run", job.lineage, request.id, why
+            )
+            leases.clear_in_flight(client, job.lineage, request.id)
+            # A genuine job rewritten on its way leaves its run without one: plan it anew.
+            _plan_next(planner(), job, None)
+            return "tampered"
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         attempt = 1 + request.retries + int(redelivered)
         report = None
@@ -295,6 +329,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         child_client.cache_clear()
         pipeline.cache_clear()
         planner.cache_clear()
+        run_record.cache_clear()
 
     return app
 

@@ -10,11 +10,10 @@ nothing of the sandbox, the model socket or Celery.
 
 from __future__ import annotations
 
-from datetime import datetime
 from decimal import Decimal
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from worker.instrument.model.catalogue import PROVIDER_NAMES
 from worker.instrument.model.prices import Prices
@@ -36,7 +35,9 @@ class GenerationJob(BaseModel):
     run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,80}$")
     target_generation: int | None = Field(None, ge=1)
     budget_usd: Decimal | None = Field(None, ge=0, description="what the run has left")
-    enqueued_at: datetime | None = None
+    # With its offset: a naive time cannot be subtracted from the life's start, and a job
+    # carrying one must be rejected before its life, not fail after it.
+    enqueued_at: AwareDatetime | None = None
     # The prices the run was started with: every worker charges the run's generations
     # alike, whatever its own settings say. None (a job of an older scheduler, or
     # ``run --local``): the worker's own prices for the provider and model.
