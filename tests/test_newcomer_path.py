@@ -5,18 +5,23 @@ home what the README tells a user to start for real work: one ``celery -A worker
 worker`` on the embedded Redis, no reconciler, and a real model server (LiteLLM's proxy)
 reached with a mistyped key. The run must stop with the provider's reason instead of
 writing one false generation after another, say so in ``status``, and finish once the
-key is fixed and the worker restarted, with nobody running anything else.
+key is fixed and the worker restarted, with nobody running anything else. And the same
+set-up on a TCP Redis carries three lineages to their target through a Redis restart
+that loses every key and a vendor outage, unattended.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from support.fleet import SMALL_PHYSICS, Fleet, Worker, wait_for
+from support.fleet import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, wait_for
 from support.litellm import KEY
+from support.lives import assert_linear, generations
+from support.vendor import running_stand_in
 
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
@@ -114,3 +119,91 @@ def test_the_demo_then_a_mistyped_key_stops_the_run_with_the_reason_and_the_fixe
         assert observation["model_failure"] is None
         assert KEY not in json.dumps(observation)
     embedded_redis.stop(Settings(home=newcomer.home / ".ouroboros"))
+
+
+def chat_reply(content: str) -> dict[str, object]:
+    """A Chat Completions reply of a vendor that answers ``content`` in full."""
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1_767_225_600,
+        "model": "chat-model",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": content},
+            }
+        ],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 100, "total_tokens": 200},
+    }
+
+
+def landed(fleet: Fleet, lineages: list[str]) -> dict[str, int]:
+    return {name: len(generations(fleet, name)) for name in lineages}
+
+
+def test_three_lineages_reach_twenty_generations_through_a_redis_restart_and_a_vendor_outage(
+    tmp_path: Path,
+) -> None:
+    """The issue's acceptance: one worker, a TCP Redis restarted without its data, a
+    vendor answering 503 for a while; nobody runs a reconciler or touches the run."""
+    redis_server = PrivateRedis(tmp_path / "redis")
+    lineages = ["one", "two", "three"]
+    target = 20
+    with running_stand_in() as vendor:
+        vendor.reply = chat_reply((ROOT / "organism.el").read_text())
+        fleet = Fleet(
+            tmp_path,
+            OUROBOROS_BROKER_URL=redis_server.url,
+            OUROBOROS_MODEL_PROVIDER="openai-compatible",
+            OUROBOROS_MODEL_NAME="chat-model",
+            OUROBOROS_OPENAI_COMPATIBLE_BASE_URL=vendor.url,
+            OUROBOROS_MODEL_INPUT_USD_PER_MTOK="1",
+            OUROBOROS_MODEL_OUTPUT_USD_PER_MTOK="1",
+            OPENAI_COMPATIBLE_API_KEY="sk-vendor-stand-in",
+            OUROBOROS_LEASE_SECONDS="6",
+            OUROBOROS_RECONCILE_INTERVAL_SECONDS="2",
+        )
+        for name in lineages:
+            fleet.ok("init", name, *SMALL_PHYSICS)
+        worker = Worker(fleet, "only", concurrency=2)
+        try:
+            worker.wait_ready()
+            fleet.ok("run", *lineages, "--generations", str(target))
+
+            wait_for(lambda: min(landed(fleet, lineages).values()) >= 4, 300, "4 generations each")
+            redis_server.kill()
+            time.sleep(20)  # the outage itself: longer than a worker's retries ride out
+            redis_server.start()
+
+            wait_for(lambda: min(landed(fleet, lineages).values()) >= 8, 300, "8 generations each")
+            vendor.status, good = 503, vendor.reply
+            vendor.reply = {"error": {"type": "overloaded", "message": "try later"}}
+            wait_for(
+                lambda: any(
+                    "model unavailable" in s for n in lineages for s in generations(fleet, n)
+                ),
+                300,
+                "a generation the vendor never answered",
+            )
+            vendor.status, vendor.reply = 200, good
+
+            wait_for(
+                lambda: min(landed(fleet, lineages).values()) >= target,
+                900,
+                f"every lineage at generation {target}",
+                1.0,
+            )
+        finally:
+            worker.stop()
+            redis_server.stop()
+    marked = 0
+    for name in lineages:
+        assert_linear(fleet, name, target)
+        for number, subject in enumerate(reversed(generations(fleet, name)), start=1):
+            failure = fleet.observation(name, number)["model_failure"]
+            assert (failure is not None) == ("model unavailable" in subject), (name, subject)
+            marked += failure is not None
+    assert marked >= 1
+    assert "Traceback" not in worker.text()
