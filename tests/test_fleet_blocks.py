@@ -433,7 +433,9 @@ def forged_block(queue: str, **times: str) -> str:
     )
 
 
-def test_a_job_is_tampered_unless_its_model_and_prices_are_its_run_records(rig: Rig) -> None:
+def test_a_job_is_tampered_unless_its_model_prices_target_and_budget_fit_its_run_record(
+    rig: Rig,
+) -> None:
     name, _ = rig.lineage("tamper")
     run = rig.run(name, 2)
     job = rig.planner.enqueue(name)
@@ -451,6 +453,17 @@ def test_a_job_is_tampered_unless_its_model_and_prices_are_its_run_records(rig: 
         f"its provider differ from the record of run {run.run_id}"
     )
     assert tampered(job.model_copy(update={"model": "claude-opus-4-8"}), record) is not None
+    # A forged target or budget would carry the run past what its record allows.
+    assert tampered(job.model_copy(update={"target_generation": 99}), record) == (
+        f"its target differs from the record of run {run.run_id}"
+    )
+    more = {"budget_usd": record.budget_usd + Decimal("0.01")}
+    assert tampered(job.model_copy(update=more), record) == (
+        f"its budget exceeds the record of run {run.run_id}"
+    )
+    assert tampered(job.model_copy(update={"budget_usd": None}), record) is not None
+    less = {"budget_usd": record.budget_usd / 2}
+    assert tampered(job.model_copy(update=less), record) is None
     assert tampered(job, None) == f"it names run {run.run_id}, which has no record"
     assert rig.planner.run_record(name, "20260301T000000000000Z-forged") is None
     unrun = job.model_copy(update={"run_id": None})

@@ -198,6 +198,44 @@ def test_a_job_rewritten_to_cost_nothing_is_rejected_and_its_run_lands_at_its_re
     assert "Traceback" not in worker.text()
 
 
+def test_a_job_rewritten_past_its_runs_target_and_budget_is_rejected_and_the_run_ends_at_its_target(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "stretched", *SMALL_PHYSICS)
+    fleet.ok("run", "stretched", "--generations", "1")  # queued: no worker is up yet
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    further = {"target_generation": 4, "budget_usd": "1000"}
+    task_id = rewrite_queued(client, lambda payload: {**payload, **further})
+
+    worker = start(fleet, workers, "w1")
+    wait_for(lambda: fleet.observation_numbers("stretched") == [1], 240, "the run's generation")
+    wait_for(lambda: status_of(fleet, "stretched")["in_flight"] is None, 60, "nothing in flight")
+
+    assert f"stretched: rejected job {task_id} as tampered (its target differs" in worker.text()
+    assert_linear(fleet, "stretched", 1)
+    assert status_of(fleet, "stretched")["stopped"] == "target reached"
+    assert "Traceback" not in worker.text()
+
+
+def test_a_queued_job_of_a_cancelled_run_is_dropped_after_its_cancel_flag_expired(
+    fleet: Fleet, workers: list[Worker]
+) -> None:
+    fleet.ok("init", "ended", *SMALL_PHYSICS)
+    fleet.ok("run", "ended", "--generations", "1")  # queued: no worker is up yet
+    fleet.ok("cancel", "ended")
+    client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
+    # The flag is a hint that expires; the run record is what says the run ended.
+    for key in client.scan_iter("ouroboros:cancel:ended:*"):
+        client.delete(key)
+
+    worker = start(fleet, workers, "w1")
+    wait_for(lambda: " ended; not running " in worker.text(), 240, "the job dropped")
+
+    assert generations(fleet, "ended") == []
+    assert fleet.observation_numbers("ended") == []
+    assert "Traceback" not in worker.text()
+
+
 def test_forged_jobs_naming_no_run_with_prices_or_a_naive_time_are_rejected_before_a_life(
     fleet: Fleet, workers: list[Worker]
 ) -> None:

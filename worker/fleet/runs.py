@@ -144,4 +144,10 @@ def tampered(job: GenerationJob, run: RunRecord | None) -> str | None:
     for term in RUN_TERMS:
         if getattr(job, term) != getattr(run, term):
             return f"its {term} differ from the record of run {job.run_id}"
+    # What a run may still spend and how far it goes are the record's to bound: a message
+    # that claims more would carry the run past its target or its budget.
+    if job.target_generation != run.target_generation:
+        return f"its target differs from the record of run {job.run_id}"
+    if job.budget_usd is None or job.budget_usd > run.budget_usd:
+        return f"its budget exceeds the record of run {job.run_id}"
     return None

@@ -31,11 +31,12 @@ Trusts: its settings, its instrument, the observation store and the broker. Trus
 message: the transport (``worker.fleet.transport``) drops whatever is not a JSON Celery
 message of a task this queue carries, and a payload that is not a valid job is rejected
 with a logged reason; either way the worker serves on. A life is charged at its run
-record's prices, never a message's: a job whose model or prices are not its run
-record's (``worker.fleet.runs.tampered``) is rejected as tampered, logged at error level,
-nothing run, and its run planned anew; one whose record cannot be read now (the store
-away, and the record not read by this pool child before) blocks its lineage for
-``blocks.RECHECK_SECONDS``, after which the reconcile pass plans it again.
+record's prices, never a message's: a job whose model, prices, target or budget are
+not its run record's (``worker.fleet.runs.tampered``) is rejected as tampered, logged at
+error level, nothing run, and its run planned anew; a job of a run the record says has
+ended is dropped; one whose record cannot be read now (the store away, and the record
+not read by this pool child before) blocks its lineage for ``blocks.RECHECK_SECONDS``,
+after which the reconcile pass plans it again.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ import sys
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache, lru_cache
+from functools import cache
 
 import redis
 from celery import Celery, Task, signals
@@ -89,8 +91,9 @@ SWEEP_SECONDS = 1.0
 # A worker's sends (follow-ups, recoveries) wait out a broker restart as its Redis
 # clients do (about 12 s); Celery's default gives up after 0.6 s.
 PUBLISH_RETRY = {"max_retries": 14, "interval_start": 0, "interval_step": 0.25, "interval_max": 1}
-# The run records a pool child remembers: their model and prices never change, so a
-# store outage stops no run whose record the child has read before.
+# The run records a pool child remembers for a store outage: what a job is checked
+# against (model, prices, target, budget) never changes, so an outage stops no run whose
+# record the child has read before.
 RUNS_REMEMBERED = 256
 
 log = logging.getLogger("ouroboros.worker")
@@ -146,11 +149,23 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
     def planner() -> Planner:
         return planner_on(child_client())
 
-    @lru_cache(maxsize=RUNS_REMEMBERED)
+    remembered: OrderedDict[tuple[str, str], RunRecord | None] = OrderedDict()
+
     def run_record(lineage: str, run_id: str) -> RunRecord | None:
-        # Only its model and prices are read from it: a cancellation, which changes the
-        # record, is the cancel flag's to tell.
-        return planner().run_record(lineage, run_id)
+        """The run's durable record, read anew for every job (a cancellation changes it);
+        while the store is away, the one this pool child read last, if any."""
+        key = (lineage, run_id)
+        try:
+            record = planner().run_record(lineage, run_id)
+        except StoreUnavailable:
+            if key not in remembered:
+                raise
+            return remembered[key]
+        remembered[key] = record
+        remembered.move_to_end(key)
+        while len(remembered) > RUNS_REMEMBERED:
+            remembered.popitem(last=False)
+        return record
 
     @app.task(name=GENERATION_TASK, bind=True)
     def generation(self: Task[..., str], payload: object = None) -> str:
@@ -187,6 +202,12 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             # A genuine job rewritten on its way leaves its run without one: plan it anew.
             _plan_next(planner(), job, None)
             return "tampered"
+        if run is not None and run.status != "active":
+            # Its run ended after the cancel flag (a hint that expires) was gone.
+            log.info("%s: run %s ended; not running %s", job.lineage, job.run_id, request.id)
+            leases.clear_in_flight(client, job.lineage, request.id)
+            _plan_next(planner(), job, None)
+            return "cancelled"
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         attempt = 1 + request.retries + int(redelivered)
         report = None
@@ -329,7 +350,7 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         child_client.cache_clear()
         pipeline.cache_clear()
         planner.cache_clear()
-        run_record.cache_clear()
+        remembered.clear()
 
     return app
 
