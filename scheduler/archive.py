@@ -42,7 +42,8 @@ from typing import Final, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from worker.instrument.errors import Refusal
-from worker.instrument.names import COMMIT_PATTERN, LineageName
+from worker.instrument.fields import LineageName
+from worker.instrument.names import COMMIT_PATTERN
 
 SCHEMA: Final = "ouroboros-lineage-archive/v1"
 MANIFEST = "manifest.json"

@@ -15,9 +15,10 @@ from typing import Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
+from worker.instrument.fields import LineageName
 from worker.instrument.model.catalogue import PROVIDER_NAMES
 from worker.instrument.model.prices import Prices
-from worker.instrument.names import COMMIT_PATTERN, LineageName
+from worker.instrument.names import COMMIT_PATTERN
 from worker.instrument.records import ModelFailure, Outcome
 
 

@@ -25,6 +25,7 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worker.instrument.errors import Refusal
+from worker.instrument.fields import LineageName
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache, ensure_shared_repo
 from worker.instrument.keys import metadata_key
@@ -34,7 +35,6 @@ from worker.instrument.names import (
     KERNEL_OWNED,
     METADATA_PATH,
     ORGANISM_PATH,
-    LineageName,
     lineage_name_problem,
 )
 from worker.instrument.physics import Physics

@@ -7,16 +7,14 @@ a lineage's tree that the kernel owns; the ceiling driver names; the generation
 numbering rule (a commit is generation N only if its subject starts ``gen N: ``, so
 a hand commit titled ``gen notes`` is not one); and the queue of an instrument.
 Writers (the pipeline) and readers (status, the browser) import these, so they
-cannot disagree. Pure data and functions: imports nothing of the fleet.
+cannot disagree. Pure data and functions: imports nothing of the fleet, and nothing
+beyond the standard library at import time (the sandbox side loads it alone).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, get_args
-
-import pygit2
-from pydantic import AfterValidator
+from typing import Literal, get_args
 
 COMMIT_PATTERN = r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$"
 BRANCH_PREFIX = "lineage-"
@@ -50,6 +48,10 @@ def lineage_name_problem(name: str) -> str | None:
     """
     if not _LINEAGE_NAME.fullmatch(name):
         return "use 1-63 characters from a-z 0-9 . _ -, starting with a letter or digit"
+    # Imported here: the unprivileged worker's sandbox side imports this module with the
+    # standard library alone (no pygit2), and never checks a name.
+    import pygit2
+
     if not pygit2.reference_is_valid_name(f"refs/heads/{BRANCH_PREFIX}{name}"):
         return "git refuses it as a branch name (no '..', no '.' or '.lock' at the end)"
     return None
@@ -57,16 +59,6 @@ def lineage_name_problem(name: str) -> str | None:
 
 def is_lineage_name(name: str) -> bool:
     return lineage_name_problem(name) is None
-
-
-def _lineage_name(name: str) -> str:
-    if (problem := lineage_name_problem(name)) is not None:
-        raise ValueError(f"invalid lineage name: {problem}")
-    return name
-
-
-# A lineage name in a pydantic model: the same rule as ``lineage_name_problem``.
-LineageName = Annotated[str, AfterValidator(_lineage_name)]
 
 
 def queue_name(fingerprint: str) -> str:
