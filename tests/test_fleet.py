@@ -394,7 +394,8 @@ def test_a_run_started_over_a_queued_one_replaces_it(fleet: Fleet, workers: list
 
     def landed() -> dict[str, object] | None:
         row = json.loads(fleet.ok("status", "again", "--json").stdout)[0]
-        return row if row["stopped"] else None
+        # Its observation lands just after its commit: wait for both.
+        return row if row["stopped"] and row["run_outcomes"] else None
 
     row = wait_for(landed, 180, "the second run to land its generation")
     # The generation is the new run's, paid from its budget, not the replaced run's.

@@ -89,7 +89,6 @@ def lives(workers: list[Worker], lineage: str) -> int:
 STEPS = ["sent", "fetched", "received", "leased"]
 
 
-@pytest.mark.parametrize("step", STEPS)
 def sending_rig(settings: Settings, client: redis.Redis) -> Rig:
     """A planner that sends through Celery to the broker, as a worker's does."""
     app = client_app(settings)
@@ -104,6 +103,7 @@ def sending_rig(settings: Settings, client: redis.Redis) -> Rig:
     return Rig(planner=planner, sent=None, client=client, name=lambda stem: stem)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("step", STEPS)
 def test_a_kill_at_any_step_of_the_hand_over_leaves_the_lineage_claimed_no_longer_than_the_lease(
     fleet: Fleet, workers: list[Worker], step: str
 ) -> None:
