@@ -4,7 +4,10 @@ that did it and says it belongs in the full tier; what it allows passes."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
+from support.tiers import listening_here
 
 
 def run(pytester: pytest.Pytester, body: str, *args: str) -> pytest.RunResult:
@@ -90,3 +93,16 @@ def test_fast_deselects_the_full_tier_and_the_whole_suite_runs_both(
     )
     run(pytester, body, "--fast").assert_outcomes(passed=1, deselected=3)
     run(pytester, body).assert_outcomes(passed=4)
+
+
+def test_only_a_listener_of_this_process_counts_as_its_own_whatever_the_bind_watch_saw() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        assert listening_here(("127.0.0.1", port))
+        # A port nobody here listens on, and the machine's Redis (another process's).
+        assert not listening_here(("127.0.0.1", port + 1 if port < 65535 else port - 1))
+        assert not listening_here(("127.0.0.1", 6379))
+    finally:
+        server.close()
+    assert not listening_here(("127.0.0.1", port))

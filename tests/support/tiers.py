@@ -20,6 +20,7 @@ the code under test caught it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing.process
 import os
@@ -169,7 +170,7 @@ def _refusing(item: pytest.Item) -> Iterator[None]:
     def checked(connect: Callable[[socket.socket, Any], Any]) -> Callable[..., Any]:
         @functools.wraps(connect)
         def connecting(self: socket.socket, address: Any) -> Any:
-            if _key(self.family, address) not in _BOUND:
+            if _key(self.family, address) not in _BOUND and not listening_here(address):
                 raise refuse(f"connected to a service at {address!r}")
             return connect(self, address)
 
@@ -198,6 +199,29 @@ def _restore(owner: Any, name: str, value: Any) -> None:
         delattr(owner, name)
     else:
         setattr(owner, name, value)
+
+
+def listening_here(address: Any) -> bool:
+    """Whether a TCP socket of this very process listens on ``address``'s port: asked of
+    the kernel, for a listener whose bind the watch above did not see (one bound before
+    the session, or while another plugin held ``socket.socket.bind``)."""
+    if not (isinstance(address, tuple) and len(address) >= 2 and isinstance(address[1], int)):
+        return False
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(target[len("socket:[") : -1])
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                # local address, state 0A (LISTEN), inode
+                port = int(fields[1].rsplit(":", 1)[1], 16)
+                if port == address[1] and fields[3] == "0A" and fields[9] in mine:
+                    return True
+    return False
 
 
 def _key(family: int, address: Any) -> Any:
