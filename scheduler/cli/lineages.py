@@ -10,6 +10,7 @@ that talk to the fleet, so ``run --local`` never pays for it.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -279,7 +280,11 @@ def run(
             f"the runs go on on the fleet; see schedule-lineage status {listed}; "
             "stop one with schedule-lineage cancel NAME",
         )
-        sys.exit(130)
+        # Not sys.exit: the thread still asking the workers (or a broadcast of watch's)
+        # may wait on the broker for a long while, and the interpreter would join it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     for status in final:
         console.print(plain(describe(status)), highlight=False)
     if any(status.blocked and not status.stopped for status in final):
