@@ -143,6 +143,8 @@ def test_a_kill_at_any_step_of_the_hand_over_leaves_the_lineage_claimed_no_longe
     wait_for(lambda: fleet.observation_numbers("handed") == [1], 60, "its observation")
     assert_linear(fleet, "handed", 1)
     # No second life of the generation: a duplicate the recovery made found it held or stale.
+    # The worker logs its life after the commit and the observation land: wait for the line.
+    wait_for(lambda: lives(workers, "handed"), 60, "the worker's line for its life")
     assert lives(workers, "handed") == 1
 
 
