@@ -10,7 +10,6 @@ that talk to the fleet, so ``run --local`` never pays for it.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -280,11 +279,7 @@ def run(
             f"the runs go on on the fleet; see schedule-lineage status {listed}; "
             "stop one with schedule-lineage cancel NAME",
         )
-        # Not sys.exit: the thread still asking the workers (or a broadcast of watch's)
-        # may wait on the broker for a long while, and the interpreter would join it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        sys.exit(130)
     for status in final:
         console.print(plain(describe(status)), highlight=False)
     if any(status.blocked and not status.stopped for status in final):
