@@ -535,6 +535,9 @@ class Follower:
     def __init__(self, fleet: Fleet, *args: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "scheduler", *args],
+            # As at a terminal: a test session started in the background (where the
+            # shell ignores SIGINT, and children inherit that) must not make Ctrl-C moot.
+            preexec_fn=_interruptible,
             env={**fleet.env, "COLUMNS": "400"},
             cwd=fleet.home,
             stdout=subprocess.PIPE,
@@ -561,3 +564,7 @@ class Follower:
         code = self.process.wait(timeout)
         self.reader.join(10)
         return code
+
+
+def _interruptible() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
