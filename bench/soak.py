@@ -370,7 +370,7 @@ class Soak:
         """True if a living process holds the lineage's lease (all of the fleet is on this host)."""
         import redis
 
-        from worker.fleet.leases import holder_dead
+        from worker.fleet.holders import holder_dead
 
         try:
             token = self.redis.get(f"ouroboros:lease:{name}")

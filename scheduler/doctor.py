@@ -23,7 +23,7 @@ import redis
 from pydantic import BaseModel
 
 from scheduler.sources import unreachable
-from worker.fleet import embedded_redis, leases
+from worker.fleet import embedded_redis, redis_keys
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.places import places, unwritable
 from worker.fleet.settings import Settings
@@ -109,7 +109,7 @@ def _broker(settings: Settings) -> Check:
         )
     where = _redacted(settings.broker)
     try:
-        leases.redis_client(settings).ping()
+        redis_keys.redis_client(settings).ping()
     except redis.AuthenticationError:
         problem = "refused the credentials in OUROBOROS_BROKER_URL"
     except redis.ResponseError as exc:

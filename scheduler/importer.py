@@ -24,14 +24,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import (
-    branch_ref,
-    ensure_shared_repo,
-    is_local,
-    local_path,
-    run_git,
-)
+from worker.instrument.gitrepo import branch_ref, is_local, local_path, run_git
 from worker.instrument.lineage import check_name
 from worker.instrument.names import ORGANISM_PATH
 

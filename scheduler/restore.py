@@ -27,8 +27,9 @@ from pathlib import Path
 from scheduler.archive import BUNDLE
 from scheduler.importer import import_bundle
 from scheduler.verify import Checked, check
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import branch_ref, ensure_shared_repo, is_local, local_path, run_git
+from worker.instrument.gitrepo import branch_ref, is_local, local_path, run_git
 from worker.instrument.keys import generation_key, index_key, metadata_key, run_key
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import generation_number

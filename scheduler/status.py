@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from scheduler.genealogy import Genealogy, genealogy
 from scheduler.liveness import UNREACHABLE, Workers, ask, start_hint, waiting_line
 from scheduler.sources import Source, why
-from worker.fleet import embedded_redis, leases
+from worker.fleet import block_markers, embedded_redis, markers, redis_keys
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.orphans import Unacked
 from worker.fleet.planner import Planner
@@ -95,7 +95,7 @@ class LineageStatus(BaseModel):
     stopped: str | None
     # From the broker.
     in_flight: str | None
-    # What blocks or pauses the lineage, and what happens next (``leases.Block.describe``).
+    # What blocks or pauses the lineage, and what happens next (``block_markers.Block.describe``).
     blocked: str | None
     blocked_kind: str | None = None
     # When the lineage is planned again by itself; None while blocked: only once fixed.
@@ -143,7 +143,7 @@ class Fleet:
             settings=self.settings,
             store=observation_store(self.settings),
             cache=lineage_cache(self.settings, "scheduler"),
-            client=leases.redis_client(self.settings),
+            client=redis_keys.redis_client(self.settings),
             send=self._send,
             unacked=self._unacked,
         )
@@ -205,13 +205,13 @@ class Fleet:
         progress = run_progress(run, generation, index) if run else None
         queue = queue_of(meta) if (meta := self._metadata(lineage, head)) else None
         in_flight = (
-            self._ask("broker", outages, lambda: leases.in_flight(planner.client, lineage))
+            self._ask("broker", outages, lambda: markers.in_flight(planner.client, lineage))
             if self.broker_up
             else None
         )
         mine = [e for e in index if run and e.run_id == run.run_id]
         block = (
-            self._ask("broker", outages, lambda: leases.blocked(planner.client, lineage))
+            self._ask("broker", outages, lambda: block_markers.blocked(planner.client, lineage))
             if self.broker_up
             else None
         )

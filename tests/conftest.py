@@ -27,7 +27,7 @@ from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, PrivateRe
 from support.litellm import running_proxy
 from support.rig import Rig, Sent
 
-from worker.fleet import assembly, leases
+from worker.fleet import assembly, redis_keys
 from worker.fleet.planner import Planner
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
@@ -235,7 +235,7 @@ def unique(client: redis.Redis) -> Iterator[Callable[[str], str]]:
 
     yield name
     for lineage in made:
-        for pattern in (f"{leases.PREFIX}:*:{lineage}", f"{leases.PREFIX}:*:{lineage}:*"):
+        for pattern in (f"{redis_keys.PREFIX}:*:{lineage}", f"{redis_keys.PREFIX}:*:{lineage}:*"):
             for key in client.scan_iter(match=pattern):
                 client.delete(key)
 

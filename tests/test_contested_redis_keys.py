@@ -1,7 +1,7 @@
 """Hostile review, session 21: a writer of the fleet's Redis who keeps writing a lineage
 key of another type than the fleet's string, and one who forges a dead holder's lease.
 
-A key of another type is removed and the command run again (``leases._repairing``).
+A key of another type is removed and the command run again (``redis_keys.repairing``).
 Whoever keeps writing it (``HSET`` in a loop: it creates the key whenever it is absent,
 and fails harmlessly on the fleet's strings) puts it back between the removal and the
 second command, which then fails with WRONGTYPE as the first did: the reconciler's
@@ -23,7 +23,7 @@ from support.fleet import PrivateRedis
 from support.rig import Rig, dead_holder, planner_rig
 
 from scheduler.status import Fleet as Scheduler
-from worker.fleet import leases
+from worker.fleet import block_markers, holders, leases, markers, redis_keys
 
 # Full tier: a private redis-server.
 pytestmark = pytest.mark.full
@@ -69,23 +69,26 @@ def rig(tmp_path: Path, private_redis: PrivateRedis, contested: Contested) -> Ri
 
 LINEAGE = "contested"
 CALLS: dict[str, tuple[Callable[[str], str], Callable[[redis.Redis], object]]] = {
-    "in_flight": (leases.inflight_key, lambda c: leases.in_flight(c, LINEAGE)),
-    "lease_held": (leases.lease_key, lambda c: leases.lease_held(c, LINEAGE)),
-    "blocked": (leases.blocked_key, lambda c: leases.blocked(c, LINEAGE)),
+    "in_flight": (redis_keys.inflight_key, lambda c: markers.in_flight(c, LINEAGE)),
+    "lease_held": (redis_keys.lease_key, lambda c: leases.lease_held(c, LINEAGE)),
+    "blocked": (redis_keys.blocked_key, lambda c: block_markers.blocked(c, LINEAGE)),
     "cancel_requested": (
-        lambda lineage: leases.cancel_key(lineage, "run1"),
-        lambda c: leases.cancel_requested(c, LINEAGE, "run1"),
+        lambda lineage: redis_keys.cancel_key(lineage, "run1"),
+        lambda c: markers.cancel_requested(c, LINEAGE, "run1"),
     ),
-    "clear_in_flight": (leases.holder_key, lambda c: leases.clear_in_flight(c, LINEAGE, "j")),
-    "keep_marker": (leases.inflight_key, lambda c: leases.keep_marker(c, LINEAGE, "j", 60)),
-    "mark_in_flight": (leases.inflight_key, lambda c: leases.mark_in_flight(c, LINEAGE, "j", 60)),
+    "clear_in_flight": (redis_keys.holder_key, lambda c: markers.clear_in_flight(c, LINEAGE, "j")),
+    "keep_marker": (redis_keys.inflight_key, lambda c: markers.keep_marker(c, LINEAGE, "j", 60)),
+    "mark_in_flight": (
+        redis_keys.inflight_key,
+        lambda c: markers.mark_in_flight(c, LINEAGE, "j", 60),
+    ),
     "extend_in_flight": (
-        leases.inflight_key,
-        lambda c: leases.extend_in_flight(c, LINEAGE, "j", 60),
+        redis_keys.inflight_key,
+        lambda c: markers.extend_in_flight(c, LINEAGE, "j", 60),
     ),
-    "acquire": (leases.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).acquire()),
-    "renew": (leases.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).renew()),
-    "release": (leases.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).release()),
+    "acquire": (redis_keys.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).acquire()),
+    "renew": (redis_keys.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).renew()),
+    "release": (redis_keys.lease_key, lambda c: leases.Lease(c, LINEAGE, 60).release()),
 }
 
 
@@ -109,8 +112,8 @@ def test_a_contested_marker_does_not_stop_the_reconcilers_pass_nor_status(rig: R
     rig.run(neighbour, 2)
     contested = rig.client
     assert isinstance(contested, Contested)
-    contested.keys = [leases.blocked_key(planted)]
-    contested.attacker.hset(leases.blocked_key(planted), "x", "y")
+    contested.keys = [redis_keys.blocked_key(planted)]
+    contested.attacker.hset(redis_keys.blocked_key(planted), "x", "y")
     assert neighbour in rig.planner.reconcile()
     scheduler = Scheduler(rig.planner.settings)
     scheduler.planner = rig.planner  # type: ignore[misc]
@@ -125,12 +128,12 @@ def test_a_contested_holder_record_does_not_stop_the_sweep_of_other_lineages(
     dead = dead_holder()
     lineages = [f"swept-{i}" for i in range(20)]
     for lineage in lineages:
-        contested.set(leases.inflight_key(lineage), "job1", ex=600)
-        contested.set(leases.holder_key(lineage), f"job1 {dead}", ex=600)
-        contested.set(leases.lease_key(lineage), f"{dead}/0123", ex=600)
-    contested.keys = [leases.holder_key("aaa-contested")]
+        contested.set(redis_keys.inflight_key(lineage), "job1", ex=600)
+        contested.set(redis_keys.holder_key(lineage), f"job1 {dead}", ex=600)
+        contested.set(redis_keys.lease_key(lineage), f"{dead}/0123", ex=600)
+    contested.keys = [redis_keys.holder_key("aaa-contested")]
     contested.attacker.hset(contested.keys[0], "x", "y")
-    released = leases.release_dead_holders(contested)
+    released = markers.release_dead_holders(contested)
     assert sorted(lineage for lineage, _ in released) == sorted(lineages)
 
 
@@ -140,9 +143,9 @@ def test_a_forged_dead_holders_lease_writes_no_line_of_its_own_into_the_log(
     # holder_dead reads five fields split at ':': the start time may hold a newline and
     # whatever follows the fifth field is ignored, so the take-over's warning, which
     # printed the token raw, carried a forged line into the worker's log.
-    host, boot, _pid, _started, pidns = leases.holder_name().split(":")
+    host, boot, _pid, _started, pidns = holders.holder_name().split(":")
     forged = f"{host}:{boot}:1:x\nCRITICAL forged line:{pidns}:\nCRITICAL another/0123"
-    contested.set(leases.lease_key(LINEAGE), forged, ex=600)
+    contested.set(redis_keys.lease_key(LINEAGE), forged, ex=600)
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
         assert leases.Lease(contested, LINEAGE, 60).acquire()
     messages = [r.getMessage() for r in caplog.records]

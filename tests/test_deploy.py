@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from worker.fleet.settings import Settings
-from worker.instrument.gitrepo import _REPO_CONFIG, IDENTITY
+from worker.instrument.gitrepo import IDENTITY, REPO_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -232,11 +232,11 @@ def test_repo_init_configures_the_repository_as_the_package_makes_it(
             check=True,
         ).stdout.strip()
 
-    for name, value in _REPO_CONFIG.items():
+    for name, value in REPO_CONFIG.items():
         kind = "bool" if value in ("true", "false") else "int"
         assert config(f"--type={kind}", name) == value, name
     for name in ("denyNonFastForwards", "denyDeletes"):
-        assert _REPO_CONFIG[f"receive.{name}"] == "true"
+        assert REPO_CONFIG[f"receive.{name}"] == "true"
     work = tmp_path / "work.git"
     subprocess.run(["git", "init", "--bare", "--quiet", str(work)], check=True)
 
@@ -275,7 +275,7 @@ def test_the_operators_guide_sets_every_setting_where_it_makes_a_repository():
     restore = restore[: restore.index("```")]
     elsewhere = guide[guide.index("**A repository that is not created here**") :]
     elsewhere = elsewhere[: elsewhere.index("\n\n")]
-    for name, value in _REPO_CONFIG.items():
+    for name, value in REPO_CONFIG.items():
         assert f"config {name} {value} &&" in restore, name
         assert f"{name} {value}" in " ".join(elsewhere.split()), name
 

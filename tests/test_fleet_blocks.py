@@ -26,7 +26,7 @@ from support.browse import Served
 from support.fleet import SMALL_PHYSICS, Fleet, wait_for
 from support.rig import Rig, report
 
-from worker.fleet import blocks, capabilities, leases
+from worker.fleet import block_markers, blocks, capabilities, markers, redis_keys
 from worker.fleet.runs import queue_of, tampered
 from worker.fleet.tasks import _after_landing
 from worker.instrument.errors import Refusal
@@ -57,9 +57,9 @@ def refused_by_worker(rig: Rig, stem: str, provider: str = "openai") -> tuple[st
     job = rig.planner.enqueue(name)
     assert job is not None
     # The refusing worker cleared its job's marker (``leases.holding``) before it blocked.
-    marker = leases.in_flight(rig.client, name)
+    marker = markers.in_flight(rig.client, name)
     assert marker is not None
-    leases.clear_in_flight(rig.client, name, marker)
+    markers.clear_in_flight(rig.client, name, marker)
     queue = queue_in(rig, name)
     blocks.block(rig.client, job, NODE, queue, "worker", "OPENAI_API_KEY is not set: export it")
     return name, job
@@ -88,9 +88,9 @@ def after_landing(
     worker runs next (its lease and marker released first, as ``leases.holding`` does);
     the job sent next, if any."""
     sent = len(rig.sent.calls)
-    marker = leases.in_flight(rig.client, job.lineage)
+    marker = markers.in_flight(rig.client, job.lineage)
     assert marker is not None
-    leases.clear_in_flight(rig.client, job.lineage, marker)
+    markers.clear_in_flight(rig.client, job.lineage, marker)
     commit = rig.land(job.lineage, generation)
     landed = report(job, generation, commit, "0.01", model_failure=failure, outcome="no-change")
     _after_landing(rig.client, rig.planner, job, landed, NODE, queue_in(rig, job.lineage))
@@ -102,7 +102,7 @@ def after_landing(
 
 def test_a_lineage_a_worker_refused_is_not_planned_until_its_recheck_time(rig: Rig) -> None:
     name, _ = refused_by_worker(rig, "waits")
-    record = leases.blocked(rig.client, name)
+    record = block_markers.blocked(rig.client, name)
     assert record is not None and record.kind == "worker" and record.retry_at is not None
     assert record.retry_at - record.since == timedelta(seconds=blocks.RECHECK_SECONDS)
 
@@ -116,7 +116,7 @@ def test_a_new_run_clears_the_block_even_for_another_provider(rig: Rig) -> None:
 
     run = rig.run(name, 2)
 
-    assert leases.blocked(rig.client, name) is None
+    assert block_markers.blocked(rig.client, name) is None
     job = rig.planner.enqueue(name)
     assert job is not None and (job.run_id, job.provider) == (run.run_id, "scripted")
 
@@ -126,7 +126,7 @@ def test_cancel_clears_the_block(rig: Rig) -> None:
 
     assert rig.planner.cancel(name) is not None
 
-    assert leases.blocked(rig.client, name) is None
+    assert block_markers.blocked(rig.client, name) is None
 
 
 def test_a_worker_whose_key_appears_clears_the_block_at_its_next_turn_and_enqueues(
@@ -145,12 +145,12 @@ def test_a_worker_whose_key_appears_clears_the_block_at_its_next_turn_and_enqueu
     served = turn(None)
     assert "openai" not in served
     served = turn(served)
-    assert leases.blocked(rig.client, name) is not None and enqueued == []
+    assert block_markers.blocked(rig.client, name) is not None and enqueued == []
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-a-real-key")
     turn(served)
 
-    assert leases.blocked(rig.client, name) is None
+    assert block_markers.blocked(rig.client, name) is None
     assert enqueued == [name]
 
 
@@ -163,7 +163,7 @@ def test_a_worker_restarted_after_a_provider_refusal_clears_it_and_a_running_one
     assert job is not None
     after_landing(rig, job, 1, failed("refused"))
     queue = queue_in(rig, name)
-    record = leases.blocked(rig.client, name)
+    record = block_markers.blocked(rig.client, name)
     assert record is not None
     enqueued: list[str] = []
 
@@ -171,13 +171,13 @@ def test_a_worker_restarted_after_a_provider_refusal_clears_it_and_a_running_one
     capabilities.advertise_once(
         NODE, queue, rig.planner.settings, rig.client, before, None, enqueued.append
     )
-    assert leases.blocked(rig.client, name) == record and enqueued == []
+    assert block_markers.blocked(rig.client, name) == record and enqueued == []
 
     after = record.since + timedelta(seconds=1)
     capabilities.advertise_once(
         NODE, queue, rig.planner.settings, rig.client, after, None, enqueued.append
     )
-    assert leases.blocked(rig.client, name) is None and enqueued == [name]
+    assert block_markers.blocked(rig.client, name) is None and enqueued == [name]
 
 
 def test_a_block_holds_one_printable_line_and_a_node_name_whatever_the_host_and_reason(
@@ -191,7 +191,7 @@ def test_a_block_holds_one_printable_line_and_a_node_name_whatever_the_host_and_
 
     record = blocks.block(rig.client, job, "w 1@host:9", queue_in(rig, name), "worker", reason)
 
-    assert record is not None and leases.blocked(rig.client, name) == record
+    assert record is not None and block_markers.blocked(rig.client, name) == record
     assert record.node == "w_1@host_9"
     assert record.reason.isprintable() and record.reason.startswith("first line ?[31msecond line")
     assert len(record.reason) == 1000
@@ -200,11 +200,11 @@ def test_a_block_holds_one_printable_line_and_a_node_name_whatever_the_host_and_
 def test_a_marker_no_worker_wrote_is_removed_and_blocks_nothing(rig: Rig) -> None:
     name, _ = rig.lineage("forged")
     rig.run(name, 1)
-    rig.client.set(leases.blocked_key(name), "\x1b[2Jplain reason of an older release")
+    rig.client.set(redis_keys.blocked_key(name), "\x1b[2Jplain reason of an older release")
 
-    assert leases.blocked(rig.client, name) is None
+    assert block_markers.blocked(rig.client, name) is None
     assert rig.planner.enqueue(name) is not None
-    assert rig.client.exists(leases.blocked_key(name)) == 0
+    assert rig.client.exists(redis_keys.blocked_key(name)) == 0
 
 
 def test_run_is_told_no_live_worker_serves_a_provider_only_when_some_advertise_and_none_does(
@@ -247,11 +247,11 @@ def test_a_report_the_provider_refused_blocks_the_run_until_fixed_and_sends_no_f
         after_landing(rig, job, 1, failed("refused"))
 
     assert len(rig.sent.calls) == 1
-    record = leases.blocked(rig.client, name)
+    record = block_markers.blocked(rig.client, name)
     assert record is not None
     assert (record.kind, record.retry_at, record.run_id) == ("refused", None, job.run_id)
     assert record.reason == "openai answered HTTP 401 (invalid_api_key)"
-    assert rig.client.ttl(leases.blocked_key(name)) == -1  # kept until fixed, not a timer
+    assert rig.client.ttl(redis_keys.blocked_key(name)) == -1  # kept until fixed, not a timer
     assert rig.planner.enqueue(name) is None and rig.planner.reconcile() == []
     assert len(rig.sent.calls) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -270,7 +270,7 @@ def test_a_report_the_provider_never_answered_pauses_the_run_then_it_resumes(
     with caplog.at_level(logging.ERROR, logger="ouroboros.worker"):
         after_landing(rig, job, 1, failed("unavailable"))
 
-    record = leases.blocked(rig.client, name)
+    record = block_markers.blocked(rig.client, name)
     assert record is not None and record.kind == "unavailable" and record.retry_at is not None
     assert record.retry_at - record.since == timedelta(seconds=2)
     assert rig.planner.enqueue(name) is None
@@ -293,14 +293,14 @@ def test_pauses_in_a_row_double_and_a_generation_that_lands_clears_the_marker(
     wait_for(lambda: rig.planner.reconcile() == [name], 30, "the first pause to end")
 
     assert after_landing(rig, rig.sent.jobs[-1], 2, failed("unavailable")) is None
-    record = leases.blocked(rig.client, name)
+    record = block_markers.blocked(rig.client, name)
     assert record is not None and record.pauses == 1
     assert record.retry_at is not None and record.retry_at - record.since == timedelta(seconds=2)
     wait_for(lambda: rig.planner.reconcile() == [name], 30, "the second pause to end")
 
     follow_up = after_landing(rig, rig.sent.jobs[-1], 3, None)
 
-    assert leases.blocked(rig.client, name) is None
+    assert block_markers.blocked(rig.client, name) is None
     assert follow_up is not None and follow_up.expected_commit == rig.head(name)
 
 
@@ -312,7 +312,7 @@ def test_a_generation_with_some_calls_answered_still_stops_the_run(rig: Rig) -> 
 
     assert after_landing(rig, job, 1, failed("unavailable", answered=3)) is None
 
-    assert leases.blocked(rig.client, name) is not None
+    assert block_markers.blocked(rig.client, name) is not None
     assert rig.planner.enqueue(name) is None
 
 
@@ -379,7 +379,7 @@ def test_status_and_the_web_ui_show_why_a_lineage_is_blocked_and_when_it_is_retr
     fleet.ok("run", "shown", "--generations", "2")  # no worker: the run waits
     client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
     since = datetime.now(UTC)
-    record = leases.Block(
+    record = block_markers.Block(
         kind="unavailable",
         reason="openai answered HTTP 503 <b>down</b>",
         provider="openai",
@@ -388,7 +388,7 @@ def test_status_and_the_web_ui_show_why_a_lineage_is_blocked_and_when_it_is_retr
         since=since,
         retry_at=since + timedelta(minutes=5),
     )
-    leases.block(client, "shown", record)
+    block_markers.block(client, "shown", record)
     retried = f"{record.retry_at:%Y-%m-%d %H:%M:%S} UTC"
 
     row = json.loads(fleet.ok("status", "shown", "--json").stdout)[0]
@@ -407,7 +407,7 @@ def test_status_and_the_web_ui_show_why_a_lineage_is_blocked_and_when_it_is_retr
             assert "HTTP 503 &lt;b&gt;down&lt;/b&gt;; retried at " + retried in page
         assert 'ouroboros_lineage_blocked{lineage="shown"} 1.0' in served.get("/metrics").text
         # Its retry time come, it is being tried again: no longer counted as blocked.
-        leases.block(client, "shown", record.model_copy(update={"retry_at": since}))
+        block_markers.block(client, "shown", record.model_copy(update={"retry_at": since}))
         assert 'ouroboros_lineage_blocked{lineage="shown"} 0.0' in served.get("/metrics").text
     finally:
         served.stop()
@@ -494,14 +494,14 @@ def test_a_blocked_marker_with_a_time_no_worker_writes_is_removed_once_and_block
 ) -> None:
     name, _ = rig.lineage("naive-block")
     rig.run(name, 1)
-    rig.client.set(leases.blocked_key(name), forged_block(queue_in(rig, name), **times))
+    rig.client.set(redis_keys.blocked_key(name), forged_block(queue_in(rig, name), **times))
 
     with caplog.at_level(logging.WARNING, "ouroboros.worker"):
-        assert leases.blocks(rig.client).get(name) is None
-        assert leases.blocked(rig.client, name) is None
+        assert block_markers.blocks(rig.client).get(name) is None
+        assert block_markers.blocked(rig.client, name) is None
         assert rig.planner.enqueue(name) is not None
 
-    assert rig.client.exists(leases.blocked_key(name)) == 0
+    assert rig.client.exists(redis_keys.blocked_key(name)) == 0
     removed = [r for r in caplog.records if "removed a blocked marker" in r.getMessage()]
     assert len(removed) == 1
 
@@ -509,9 +509,11 @@ def test_a_blocked_marker_with_a_time_no_worker_writes_is_removed_once_and_block
 def test_a_marker_at_another_offset_is_read_in_utc(rig: Rig) -> None:
     name, _ = rig.lineage("offset")
     retry_at = "2999-01-01T05:30:00+05:30"
-    rig.client.set(leases.blocked_key(name), forged_block(queue_in(rig, name), retry_at=retry_at))
+    rig.client.set(
+        redis_keys.blocked_key(name), forged_block(queue_in(rig, name), retry_at=retry_at)
+    )
 
-    record = leases.blocked(rig.client, name)
+    record = block_markers.blocked(rig.client, name)
 
     assert record is not None and record.retry_at == datetime(2999, 1, 1, tzinfo=UTC)
     assert "retried at 2999-01-01 00:00:00 UTC" in record.describe()
@@ -525,11 +527,11 @@ def test_an_advert_with_a_naive_start_is_removed_once_and_the_recheck_goes_on(
     forged = capabilities.advert_key(rig.name("naive"))
     advert = {"node": "x", "queue": queue, "providers": ["openai"], "started": NAIVE}
     rig.client.set(forged, json.dumps(advert))
-    blocked = leases.blocked(rig.client, name)
+    blocked = block_markers.blocked(rig.client, name)
     assert blocked is not None
     # A second marker, with a naive time, on the same queue.
     other, _ = rig.lineage("naive-beside")
-    rig.client.set(leases.blocked_key(other), forged_block(queue, since=NAIVE))
+    rig.client.set(redis_keys.blocked_key(other), forged_block(queue, since=NAIVE))
 
     with caplog.at_level(logging.WARNING, "ouroboros.worker"):
         assert all(advert.node != "x" for advert in capabilities.adverts(rig.client, queue))
@@ -547,7 +549,7 @@ def test_an_advert_with_a_naive_start_is_removed_once_and_the_recheck_goes_on(
         )
 
     assert name in enqueued and other not in enqueued
-    assert rig.client.exists(leases.blocked_key(other)) == 0
+    assert rig.client.exists(redis_keys.blocked_key(other)) == 0
     said = [r.getMessage() for r in caplog.records]
     assert len([m for m in said if "removed an advertisement" in m and forged in m]) == 1
     assert len([m for m in said if "removed a blocked marker" in m and other in m]) == 1
@@ -563,7 +565,7 @@ def test_status_the_web_ui_metrics_and_reconcile_answer_past_naive_markers_and_a
     advert = {"node": "x", "queue": queue, "providers": ["scripted"], "started": NAIVE}
 
     def forge() -> None:
-        client.set(leases.blocked_key("naive"), forged_block(queue, retry_at=NAIVE))
+        client.set(redis_keys.blocked_key("naive"), forged_block(queue, retry_at=NAIVE))
         client.set(capabilities.advert_key("x"), json.dumps(advert))
 
     forge()
@@ -602,7 +604,7 @@ def test_status_shows_a_reason_full_of_markup_as_written_and_exits_0(
     client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
     queue = json.loads(fleet.ok("status", "marked", "--json").stdout)[0]["queue"]
     record = json.loads(forged_block(queue))
-    client.set(leases.blocked_key("marked"), json.dumps({**record, "reason": reason}))
+    client.set(redis_keys.blocked_key("marked"), json.dumps({**record, "reason": reason}))
 
     for columns in ("400", "80"):  # the wide table, and the narrow one
         shown = fleet.cli("status", COLUMNS=columns, FORCE_COLOR="1")

@@ -20,7 +20,7 @@ from support.fleet import SMALL_PHYSICS, Fleet, Worker, task_envelope, wait_for
 from support.lives import assert_linear, generations, start
 from support.vendor import StandIn, message, openai_response, output_text, running_stand_in
 
-from worker.fleet import blocks, capabilities, leases
+from worker.fleet import block_markers, blocks, capabilities, markers
 from worker.fleet.app import GENERATION_TASK
 from worker.instrument.model.prices import builtin_prices
 
@@ -281,11 +281,11 @@ def test_a_job_whose_run_record_cannot_be_read_is_not_run_and_blocks_its_lineage
 
     worker = start(fleet, workers, "w1")
     client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
-    blocked = wait_for(lambda: leases.blocked(client, "unread"), 120, "the lineage's block")
+    blocked = wait_for(lambda: block_markers.blocked(client, "unread"), 120, "the lineage's block")
 
     assert blocked.kind == "worker" and blocked.run_id == run_id
     assert blocked.reason.startswith(f"the prices of run {run_id} cannot be checked now: ")
     assert blocked.retry_at is not None
     assert (blocked.retry_at - blocked.since).total_seconds() == blocks.RECHECK_SECONDS
     assert "unread: not running " in worker.text()
-    assert generations(fleet, "unread") == [] and leases.in_flight(client, "unread") is None
+    assert generations(fleet, "unread") == [] and markers.in_flight(client, "unread") is None

@@ -37,7 +37,7 @@ from support.fleet import SMALL_PHYSICS, Fleet, PrivateRedis, Worker, grab, seed
 from support.lives import SLOW, WRITES_STATE, assert_linear, generations, start
 from support.rig import Rig
 
-from worker.fleet import leases
+from worker.fleet import leases, markers, redis_keys
 from worker.fleet.app import client_app, sender, unacked_keys
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
@@ -115,22 +115,26 @@ def test_a_kill_at_any_step_of_the_hand_over_leaves_the_lineage_claimed_no_longe
             [sys.executable, "-c", SENDER, "handed"], env=fleet.env, cwd=fleet.home, check=False
         )
         assert killed.returncode == -signal.SIGKILL
-        assert client.get(leases.inflight_key("handed")) is not None
+        assert client.get(redis_keys.inflight_key("handed")) is not None
     elif step == "fetched":
         fleet.ok("run", "handed", "--generations", "1")
         job_id = grab(fleet.env, fleet.home, queue_name(fleet, "handed"))
-        assert client.get(leases.inflight_key("handed")) == job_id.encode()
+        assert client.get(redis_keys.inflight_key("handed")) == job_id.encode()
         assert client.hlen("unacked") == 1
-        assert not client.exists(leases.holder_key("handed"))
+        assert not client.exists(redis_keys.holder_key("handed"))
         # The claim as the sender left it: an hour, since no task_received cut it.
-        assert client.ttl(leases.inflight_key("handed")) > 600
+        assert client.ttl(redis_keys.inflight_key("handed")) > 600
     else:
         victim = start(fleet, workers, "victim")
         if step == "received":
             for child in victim.pool_children():
                 os.kill(child, signal.SIGSTOP)
         fleet.ok("run", "handed", "--generations", "1")
-        watched = leases.holder_key("handed") if step == "received" else leases.lease_key("handed")
+        watched = (
+            redis_keys.holder_key("handed")
+            if step == "received"
+            else redis_keys.lease_key("handed")
+        )
         record = wait_for(lambda: client.get(watched), 60, f"the job to be {step}")
         holder = victim.process.pid if step == "received" else victim.pool_children()[0]
         assert f":{holder}:" in record.decode()
@@ -181,11 +185,11 @@ def test_a_job_whose_fetcher_died_before_registering_it_is_planned_again_after_t
     for _ in range(20):
         job_id = grab(env, tmp_path, queue)
         killed = time.monotonic()
-        assert leases.in_flight(client, lineage) == job_id
+        assert markers.in_flight(client, lineage) == job_id
         assert client.hlen(unacked.hash) == 1
         # A live fetcher registers its job within a moment: within the lease, it is left be.
         assert planner.reconcile() == []
-        assert leases.in_flight(client, lineage) == job_id
+        assert markers.in_flight(client, lineage) == job_id
 
         def planned_again() -> bool:
             time.sleep(RECONCILE)
@@ -193,7 +197,7 @@ def test_a_job_whose_fetcher_died_before_registering_it_is_planned_again_after_t
 
         wait_for(planned_again, lease + RECONCILE + 5, "the lineage to be planned again", 0)
         assert time.monotonic() - killed < lease + RECONCILE + 2
-        assert leases.in_flight(client, lineage) not in (None, job_id)
+        assert markers.in_flight(client, lineage) not in (None, job_id)
         assert client.hlen(unacked.hash) == 0
         assert client.zcard(unacked.index) == 0
         queued = [key for key in client.keys(f"{queue}*") if client.type(key) == b"list"]
@@ -213,13 +217,13 @@ def test_an_unacked_job_whose_holder_registered_it_is_never_taken_from_it(
     env = {**os.environ, "OUROBOROS_BROKER_URL": broker.url, "OUROBOROS_HOME": str(tmp_path)}
     job_id = grab(env, tmp_path, queue_of(meta))
     # As a live worker's task_received leaves it: the holder record names the job.
-    leases.keep_marker(client, lineage, job_id, 600)
+    markers.keep_marker(client, lineage, job_id, 600)
     # And garbage beside it, as anyone who reaches Redis may write into unacked.
     client.hset("unacked", "forged", b"not json")
     client.zadd("unacked_index", {"forged": 0})
     time.sleep(4)
     assert planner.reconcile() == []
-    assert leases.in_flight(client, lineage) == job_id
+    assert markers.in_flight(client, lineage) == job_id
     assert client.hlen("unacked") == 2
     # A sorted set replaced by a string: the pass goes on, without orphans.
     client.delete("unacked_index")
@@ -272,7 +276,7 @@ def test_one_worker_at_a_time_has_the_reconcile_turn_and_the_next_comes_after_th
 ) -> None:
     client = redis.Redis.from_url(broker.url)
     # Written by someone else, of a type the fleet never writes there: repaired, not stuck.
-    client.hset(leases.turn_key(), "x", "y")
+    client.hset(redis_keys.turn_key(), "x", "y")
     first, second = leases.Turn(client, 1.0), leases.Turn(client, 1.0)
     assert first.take()
     assert not second.take()

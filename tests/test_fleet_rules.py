@@ -26,7 +26,7 @@ from support.fleet import MACHINE_REDIS, PrivateRedis
 from support.rig import HEAD, INSTRUMENT, PHYSICS, WHEN, Rig, dead_holder, entry, report
 
 from scheduler.cli.lineages import until_next_pass
-from worker.fleet import leases
+from worker.fleet import block_markers, holders, leases, markers, redis_keys
 from worker.fleet.runs import RunRecord, hard_time_limit, job_of, queue_of, run_progress
 from worker.fleet.settings import Settings
 
@@ -126,7 +126,7 @@ def test_enqueue_sends_exactly_one_job_for_a_lineage_whose_run_wants_more(rig: R
     assert job.expected_commit == rig.head(name)
     assert (job.run_id, job.target_generation, job.budget_usd) == (run.run_id, 3, Decimal("0.50"))
     _, job_id, _, _ = rig.sent.calls[0]
-    assert leases.in_flight(rig.client, name) == job_id
+    assert markers.in_flight(rig.client, name) == job_id
 
 
 @pytest.mark.full
@@ -157,7 +157,7 @@ def test_enqueue_sends_nothing_for_a_lineage_without_a_run(rig: Rig) -> None:
     name, _ = rig.lineage("idle")
     assert rig.planner.enqueue(name) is None
     assert rig.sent.calls == []
-    assert leases.in_flight(rig.client, name) is None
+    assert markers.in_flight(rig.client, name) is None
 
 
 @pytest.mark.full
@@ -186,7 +186,7 @@ def test_enqueue_sends_nothing_for_a_cancelled_run(rig: Rig) -> None:
     run = rig.run(name, 3)
     cancelled = rig.planner.cancel(name)
     assert cancelled is not None and cancelled.status == "cancelled"
-    assert leases.cancel_requested(rig.client, name, run.run_id)
+    assert markers.cancel_requested(rig.client, name, run.run_id)
     assert rig.planner.enqueue(name) is None
     assert rig.sent.calls == []
 
@@ -196,7 +196,7 @@ def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
     name, _ = rig.lineage("blocked")
     rig.run(name, 3)
     since = datetime.now(UTC)
-    record = leases.Block(
+    record = block_markers.Block(
         kind="worker",
         reason="no worker serves this instrument",
         provider="scripted",
@@ -205,7 +205,7 @@ def test_enqueue_sends_nothing_for_a_blocked_lineage(rig: Rig) -> None:
         since=since,
         retry_at=since + timedelta(seconds=60),
     )
-    leases.block(rig.client, name, record)
+    block_markers.block(rig.client, name, record)
     assert rig.planner.enqueue(name) is None
     assert rig.sent.calls == []
 
@@ -279,7 +279,7 @@ def test_reconcile_re_enqueues_a_lineage_whose_run_wants_more_with_no_marker_nor
     assert rig.planner.reconcile() == [wanting]
     [job] = rig.sent.jobs
     assert (job.lineage, job.run_id) == (wanting, run.run_id)
-    assert leases.in_flight(rig.client, idle) is None
+    assert markers.in_flight(rig.client, idle) is None
 
 
 @pytest.mark.full
@@ -288,7 +288,7 @@ def test_reconcile_re_enqueues_a_run_whose_message_and_marker_were_lost(rig: Rig
     rig.run(name, 2)
     assert rig.planner.enqueue(name) is not None
     # As after a Redis that lost its data: the queued message and its marker are gone.
-    rig.client.delete(f"{leases.PREFIX}:inflight:{name}")
+    rig.client.delete(f"{redis_keys.PREFIX}:inflight:{name}")
     assert rig.planner.reconcile() == [name]
     assert len(rig.sent.calls) == 2
 
@@ -298,7 +298,7 @@ def test_what_reconcile_recovers_goes_first_and_a_planned_job_waits_its_turn(rig
     name, _ = rig.lineage("front")
     rig.run(name, 2)
     assert rig.planner.enqueue(name) is not None
-    rig.client.delete(f"{leases.PREFIX}:inflight:{name}")  # its message was lost
+    rig.client.delete(f"{redis_keys.PREFIX}:inflight:{name}")  # its message was lost
     assert rig.planner.reconcile() == [name]
     assert rig.sent.first == [False, True]
 
@@ -319,10 +319,10 @@ def test_reconcile_skips_a_lineage_whose_lease_is_held(rig: Rig) -> None:
 def test_reconcile_skips_a_lineage_with_an_in_flight_marker(rig: Rig) -> None:
     name, _ = rig.lineage("marked")
     rig.run(name, 2)
-    assert leases.mark_in_flight(rig.client, name, "someone-else", 60)
+    assert markers.mark_in_flight(rig.client, name, "someone-else", 60)
     assert rig.planner.reconcile() == []
     assert rig.sent.calls == []
-    assert leases.in_flight(rig.client, name) == "someone-else"
+    assert markers.in_flight(rig.client, name) == "someone-else"
 
 
 # -- leases.holding ---------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def test_a_second_holder_of_a_held_lease_gets_lease_busy(
     with leases.holding(client, name, "first", 30):
         with pytest.raises(leases.LeaseBusy), leases.holding(client, name, "second", 30):
             ran = True
-        assert leases.in_flight(client, name) == "first"
+        assert markers.in_flight(client, name) == "first"
         assert leases.lease_held(client, name)
     assert not ran
 
@@ -351,7 +351,7 @@ def test_the_heartbeat_keeps_the_lease_and_running_marker_alive_past_their_ttl(
     with leases.holding(client, name, "long-life", ttl) as lease:
         time.sleep(ttl * 1.5)  # past the ttl: only renewals can have kept them
         assert client.get(lease.key) == lease.token.encode()
-        assert leases.in_flight(client, name) == "long-life"
+        assert markers.in_flight(client, name) == "long-life"
         assert 0 < client.ttl(lease.key) <= ttl
 
 
@@ -362,9 +362,9 @@ def test_leaving_releases_the_lease_and_the_running_marker(
     name = unique("leave")
     with leases.holding(client, name, "job-1", 30):
         assert leases.lease_held(client, name)
-        assert leases.in_flight(client, name) == "job-1"
+        assert markers.in_flight(client, name) == "job-1"
     assert not leases.lease_held(client, name)
-    assert leases.in_flight(client, name) is None
+    assert markers.in_flight(client, name) is None
     assert not any(t.name == f"lease-{name}" for t in threading.enumerate())
 
 
@@ -376,9 +376,9 @@ def test_leaving_by_an_exception_releases_the_lease_and_the_running_marker(
     with pytest.raises(RuntimeError), leases.holding(client, name, "job-1", 30):
         raise RuntimeError("the life failed")
     assert not leases.lease_held(client, name)
-    assert leases.in_flight(client, name) is None
+    assert markers.in_flight(client, name) is None
     with leases.holding(client, name, "job-2", 30):
-        assert leases.in_flight(client, name) == "job-2"
+        assert markers.in_flight(client, name) == "job-2"
 
 
 @pytest.mark.full
@@ -404,15 +404,15 @@ def test_leaving_after_losing_the_lease_leaves_the_new_holders_lease_and_marker(
     name = unique("lost")
     with leases.holding(client, name, "stalled", 30) as mine:
         # Both expired while this holder stalled, and another worker took the lineage.
-        client.delete(mine.key, f"{leases.PREFIX}:inflight:{name}")
+        client.delete(mine.key, f"{redis_keys.PREFIX}:inflight:{name}")
         theirs = leases.Lease(client, name, 30)
         assert theirs.acquire()
-        leases.claim_running(client, name, "heir", 30)
+        markers.claim_running(client, name, "heir", 30)
     assert client.get(theirs.key) == theirs.token.encode()
-    assert leases.in_flight(client, name) == "heir"
+    assert markers.in_flight(client, name) == "heir"
 
 
-# -- leases.release_dead_holders --------------------------------------------------------------
+# -- markers.release_dead_holders --------------------------------------------------------------
 
 
 @pytest.mark.full
@@ -422,13 +422,13 @@ def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     name = unique("orphaned")
     dead = dead_holder()
     # As a pool child killed mid-life leaves them: its marker, its record, its lease.
-    client.set(f"{leases.PREFIX}:inflight:{name}", "job-1", ex=600)
-    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {dead}", ex=600)
-    client.set(f"{leases.PREFIX}:lease:{name}", f"{dead}/0123", ex=600)
-    assert (name, "job-1") in leases.release_dead_holders(client)
-    assert leases.in_flight(client, name) is None
+    client.set(f"{redis_keys.PREFIX}:inflight:{name}", "job-1", ex=600)
+    client.set(f"{redis_keys.PREFIX}:holder:{name}", f"job-1 {dead}", ex=600)
+    client.set(f"{redis_keys.PREFIX}:lease:{name}", f"{dead}/0123", ex=600)
+    assert (name, "job-1") in markers.release_dead_holders(client)
+    assert markers.in_flight(client, name) is None
     assert not leases.lease_held(client, name)
-    assert not client.exists(f"{leases.PREFIX}:holder:{name}")
+    assert not client.exists(f"{redis_keys.PREFIX}:holder:{name}")
 
 
 @pytest.mark.full
@@ -436,14 +436,14 @@ def test_a_holder_that_is_a_zombie_is_dead() -> None:
     # A killed worker's pool children are zombies until some init reaps them.
     child = subprocess.Popen(["sleep", "0.2"])
     try:
-        token = f"{leases.holder_name(child.pid)}/0123"
-        assert not leases.holder_dead(token)
+        token = f"{holders.holder_name(child.pid)}/0123"
+        assert not holders.holder_dead(token)
         stat = Path(f"/proc/{child.pid}/stat")
         wait_until = time.monotonic() + 60
         while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
             assert time.monotonic() < wait_until, "the child never became a zombie"
             time.sleep(0.05)
-        assert leases.holder_dead(token)
+        assert holders.holder_dead(token)
     finally:
         child.wait()
 
@@ -453,13 +453,13 @@ def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     client: redis.Redis, unique: Callable[[str], str]
 ) -> None:
     name = unique("fetched")
-    assert leases.mark_in_flight(client, name, "job-1", 3600)
-    assert leases.keep_marker(client, name, "job-1", 600)  # this process fetched it
-    assert (name, "job-1") not in leases.release_dead_holders(client)
-    assert leases.in_flight(client, name) == "job-1"
-    client.set(f"{leases.PREFIX}:holder:{name}", f"job-1 {dead_holder()}", ex=600)
-    assert (name, "job-1") in leases.release_dead_holders(client)
-    assert leases.in_flight(client, name) is None
+    assert markers.mark_in_flight(client, name, "job-1", 3600)
+    assert markers.keep_marker(client, name, "job-1", 600)  # this process fetched it
+    assert (name, "job-1") not in markers.release_dead_holders(client)
+    assert markers.in_flight(client, name) == "job-1"
+    client.set(f"{redis_keys.PREFIX}:holder:{name}", f"job-1 {dead_holder()}", ex=600)
+    assert (name, "job-1") in markers.release_dead_holders(client)
+    assert markers.in_flight(client, name) is None
 
 
 @pytest.mark.full
@@ -468,19 +468,19 @@ def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
 ) -> None:
     elsewhere, newer = unique("elsewhere"), unique("newer")
     far = "another-host:" + dead_holder().split(":", 1)[1]
-    client.set(f"{leases.PREFIX}:inflight:{elsewhere}", "job-1", ex=600)
-    client.set(f"{leases.PREFIX}:holder:{elsewhere}", f"job-1 {far}", ex=600)
+    client.set(f"{redis_keys.PREFIX}:inflight:{elsewhere}", "job-1", ex=600)
+    client.set(f"{redis_keys.PREFIX}:holder:{elsewhere}", f"job-1 {far}", ex=600)
     # The dead holder's job ended and a live one took the lineage: only the record goes.
     dead = dead_holder()
-    client.set(f"{leases.PREFIX}:inflight:{newer}", "job-2", ex=600)
-    client.set(f"{leases.PREFIX}:holder:{newer}", f"job-1 {dead}", ex=600)
+    client.set(f"{redis_keys.PREFIX}:inflight:{newer}", "job-2", ex=600)
+    client.set(f"{redis_keys.PREFIX}:holder:{newer}", f"job-1 {dead}", ex=600)
     mine = leases.Lease(client, newer, 600)
     assert mine.acquire()
-    released = leases.release_dead_holders(client)
+    released = markers.release_dead_holders(client)
     assert (elsewhere, "job-1") not in released
-    assert leases.in_flight(client, elsewhere) == "job-1"
+    assert markers.in_flight(client, elsewhere) == "job-1"
     assert (newer, "job-1") in released
-    assert leases.in_flight(client, newer) == "job-2"
+    assert markers.in_flight(client, newer) == "job-2"
     assert client.get(mine.key) == mine.token.encode()
 
 
@@ -490,9 +490,9 @@ def test_leaving_removes_the_holder_record_with_the_marker(
 ) -> None:
     name = unique("record")
     with leases.holding(client, name, "job-1", 30):
-        record = client.get(f"{leases.PREFIX}:holder:{name}")
-        assert record == f"job-1 {leases.holder_name()}".encode()
-    assert not client.exists(f"{leases.PREFIX}:holder:{name}")
+        record = client.get(f"{redis_keys.PREFIX}:holder:{name}")
+        assert record == f"job-1 {holders.holder_name()}".encode()
+    assert not client.exists(f"{redis_keys.PREFIX}:holder:{name}")
 
 
 # -- commands a worker may repeat through a broker restart ----------------------------------
@@ -505,11 +505,11 @@ def test_a_repeated_claim_of_the_in_flight_slot_by_the_same_job_succeeds_and_no_
     # A worker's client repeats a command whose reply a broker restart lost: the claim
     # it had made must read as made, not as another job's.
     name = unique("claimed")
-    assert leases.mark_in_flight(client, name, "job-1", 60)
-    assert leases.mark_in_flight(client, name, "job-1", 600)
-    assert 60 < client.ttl(f"{leases.PREFIX}:inflight:{name}") <= 600
-    assert not leases.mark_in_flight(client, name, "job-2", 600)
-    assert leases.in_flight(client, name) == "job-1"
+    assert markers.mark_in_flight(client, name, "job-1", 60)
+    assert markers.mark_in_flight(client, name, "job-1", 600)
+    assert 60 < client.ttl(f"{redis_keys.PREFIX}:inflight:{name}") <= 600
+    assert not markers.mark_in_flight(client, name, "job-2", 600)
+    assert markers.in_flight(client, name) == "job-1"
 
 
 @pytest.mark.full
@@ -529,7 +529,7 @@ def test_a_job_is_claimed_for_a_lease_until_it_is_sent_then_for_the_in_flight_tt
 ) -> None:
     name, _ = rig.lineage("sending")
     rig.run(name, 3)
-    marker = f"{leases.PREFIX}:inflight:{name}"
+    marker = f"{redis_keys.PREFIX}:inflight:{name}"
     seen: list[int] = []
 
     def failing_send(*_: object) -> None:
@@ -554,8 +554,8 @@ def test_a_workers_redis_client_waits_out_a_broker_restart(tmp_path: Path) -> No
     server = PrivateRedis(tmp_path / "redis", appendonly=False)
     try:
         settings = Settings(home=tmp_path / "home", broker_url=server.url)
-        patient = leases.redis_client(settings, outlast_restart=True)
-        hasty = leases.redis_client(settings)
+        patient = redis_keys.redis_client(settings, outlast_restart=True)
+        hasty = redis_keys.redis_client(settings)
         patient.set("k", "1")
         server.kill()
         with pytest.raises(redis.ConnectionError):

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from support.fleet import SMALL_PHYSICS, Fleet, helper_name, seed_file
 
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import (
     Entry,
     LineageCache,
     branch_ref,
-    ensure_shared_repo,
     run_git,
 )
 

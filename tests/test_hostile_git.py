@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from support.fleet import SMALL_PHYSICS, Fleet, seed_file
 
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.gitrepo import (
     IDENTITY,
     STALE_LOCK_SECONDS,
@@ -30,7 +31,6 @@ from worker.instrument.gitrepo import (
     GitError,
     LineageCache,
     branch_ref,
-    ensure_shared_repo,
     run_git,
 )
 

@@ -3,7 +3,7 @@ sender, can make a worker's recovery machinery do.
 
 Each test stages the keys an attacker (anyone who can reach the fleet's Redis) or a
 fault leaves, on a private redis-server (``PrivateRedis``), and runs the worker's own
-code on them: ``leases.release_dead_holders``, the main process's watch loop
+code on them: ``markers.release_dead_holders``, the main process's watch loop
 (``worker.fleet.tasks._watch_markers``), the planner's ``submit`` and ``reconcile``, and
 the scheduler's ``status``. The planner runs on the real repository and file store of
 ``test_fleet_rules``'s rig. The keys of another Redis type than the fleet writes are
@@ -38,7 +38,7 @@ from support.lives import WRITES_STATE, assert_linear, generations, start
 from support.rig import Rig, dead_holder, planner_rig, report
 
 from scheduler.status import Fleet as Scheduler
-from worker.fleet import leases
+from worker.fleet import holders, leases, markers, redis_keys
 from worker.fleet.tasks import _watch_markers
 
 # Full tier: a private redis-server and real workers.
@@ -67,15 +67,15 @@ def rig(tmp_path: Path, private_redis: PrivateRedis, client: redis.Redis) -> Rig
 
 def _orphan(client: redis.Redis, lineage: str, job_id: str, holder: str) -> None:
     """The marker, holder record and lease a killed pool child leaves behind."""
-    client.set(leases.inflight_key(lineage), job_id, ex=600)
-    client.set(leases.holder_key(lineage), f"{job_id} {holder}", ex=600)
-    client.set(leases.lease_key(lineage), f"{holder}/0123", ex=600)
+    client.set(redis_keys.inflight_key(lineage), job_id, ex=600)
+    client.set(redis_keys.holder_key(lineage), f"{job_id} {holder}", ex=600)
+    client.set(redis_keys.lease_key(lineage), f"{holder}/0123", ex=600)
 
 
 def _forged_holder(pid: str) -> str:
     """A holder of this host naming ``pid``: host, boot and the rest, as every lease
     token in Redis discloses them to a reader of Redis."""
-    host, boot, _pid, _started, *rest = leases.holder_name().split(":")
+    host, boot, _pid, _started, *rest = holders.holder_name().split(":")
     return ":".join([host, boot, pid, "1", *rest])
 
 
@@ -124,7 +124,7 @@ def test_a_forged_holder_record_does_not_kill_the_watch_thread(
 ) -> None:
     # The sweep dies on the forged record: from then on this worker renews no marker of
     # the jobs it prefetched and releases no dead holder on its host.
-    client.set(leases.holder_key("forged"), f"job-x {_forged_holder(pid)}", ex=600)
+    client.set(redis_keys.holder_key("forged"), f"job-x {_forged_holder(pid)}", ex=600)
     real = _name("real")
     time.sleep(2.5)
     _orphan(client, real, "job-1", dead_holder())
@@ -138,7 +138,7 @@ def test_a_holder_key_of_another_type_does_not_stop_the_sweep(
     # One key of the wrong type makes every sweep raise WRONGTYPE, which the watch loop
     # swallows: every dead holder on the host is then released without a re-enqueue
     # (or not released at all, depending on the scan's order), silently, for good.
-    client.hset(leases.holder_key("forged"), "a", "b")
+    client.hset(redis_keys.holder_key("forged"), "a", "b")
     real = _name("real")
     _orphan(client, real, "job-1", dead_holder())
     wait_for(lambda: real in sweeper.recovered, 15, "the genuine dead holder's release")
@@ -153,9 +153,9 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
     # future swallows, unlogged).
     hostile = "x\n[2026-01-01 00:00:00,000: CRITICAL/MainProcess] forged\x1b[2J"
     dead = dead_holder()
-    client.set(leases.holder_key(hostile), f"job-1 {dead}", ex=600)
+    client.set(redis_keys.holder_key(hostile), f"job-1 {dead}", ex=600)
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
-        released = leases.release_dead_holders(client)
+        released = markers.release_dead_holders(client)
     assert all(lineage != hostile for lineage, _ in released)
     for record in caplog.records:
         assert "\n" not in record.getMessage() and "\x1b" not in record.getMessage()
@@ -190,10 +190,10 @@ def test_a_live_holder_in_another_pid_namespace_of_this_host_keeps_its_lease(
     try:
         assert process.stdout is not None
         assert process.stdout.readline() == b"holding\n"
-        token = client.get(leases.lease_key(lineage))
+        token = client.get(redis_keys.lease_key(lineage))
         assert token is not None and token.decode().startswith(socket.gethostname() + ":")
-        leases.release_dead_holders(client)
-        assert client.get(leases.lease_key(lineage)) == token
+        markers.release_dead_holders(client)
+        assert client.get(redis_keys.lease_key(lineage)) == token
         assert not leases.Lease(client, lineage, 600).acquire()
     finally:
         process.kill()
@@ -236,7 +236,7 @@ def test_a_job_that_ends_before_its_sender_extends_its_claim_leaves_the_lineage_
 
     rig.planner.send = send_then_a_worker_lives_it
     assert rig.planner.enqueue(lineage) is not None
-    assert leases.in_flight(rig.client, lineage) is None
+    assert markers.in_flight(rig.client, lineage) is None
     rig.planner.send = sent
     assert rig.planner.enqueue(lineage) is not None
 
@@ -257,9 +257,9 @@ PLANTS: dict[str, Callable[[redis.Redis, str], object]] = {
 
 # The lineage's keys that ``run`` reads before it enqueues the run's first job.
 MARKERS: dict[str, Callable[[str], str]] = {
-    "inflight": leases.inflight_key,
-    "lease": leases.lease_key,
-    "blocked": leases.blocked_key,
+    "inflight": redis_keys.inflight_key,
+    "lease": redis_keys.lease_key,
+    "blocked": redis_keys.blocked_key,
 }
 
 
@@ -283,7 +283,7 @@ def removed_and_named(client: redis.Redis, key: str, caplog: pytest.LogCaptureFi
 
 @pytest.mark.parametrize(
     "key_of",
-    [leases.inflight_key, leases.lease_key, leases.blocked_key],
+    [redis_keys.inflight_key, redis_keys.lease_key, redis_keys.blocked_key],
     ids=["inflight", "lease", "blocked"],
 )
 def test_a_marker_of_another_type_neither_stops_the_reconciler_nor_keeps_its_lineage_waiting(
@@ -303,12 +303,12 @@ def test_a_marker_of_another_type_neither_stops_the_reconciler_nor_keeps_its_lin
         assert sorted(rig.planner.reconcile()) == sorted([planted, neighbour])
     removed_and_named(rig.client, key_of(planted), caplog)
     sent = {job.lineage: job_id for job, job_id, *_ in rig.sent.calls}
-    assert leases.in_flight(rig.client, planted) == sent[planted]
+    assert markers.in_flight(rig.client, planted) == sent[planted]
     assert rig.planner.reconcile() == []  # and now the lineage has its job in flight
 
 
 @pytest.mark.parametrize(
-    "key_of", [leases.inflight_key, leases.blocked_key], ids=["inflight", "blocked"]
+    "key_of", [redis_keys.inflight_key, redis_keys.blocked_key], ids=["inflight", "blocked"]
 )
 def test_status_reads_a_marker_of_another_type_as_absent(
     rig: Rig,
@@ -332,7 +332,7 @@ def test_a_lease_of_another_type_is_taken_and_released_by_the_job_that_lives_the
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     lineage = _name("leased")
-    plant(client, leases.lease_key(lineage))
+    plant(client, redis_keys.lease_key(lineage))
     lived = False
     with (
         caplog.at_level(logging.WARNING, logger="ouroboros.worker"),
@@ -340,15 +340,15 @@ def test_a_lease_of_another_type_is_taken_and_released_by_the_job_that_lives_the
     ):
         lived = True
         assert client.get(lease.key) == lease.token.encode()
-        assert leases.in_flight(client, lineage) == "job-1"
+        assert markers.in_flight(client, lineage) == "job-1"
     assert lived
     assert not leases.lease_held(client, lineage)
-    assert leases.in_flight(client, lineage) is None
-    removed_and_named(client, leases.lease_key(lineage), caplog)
+    assert markers.in_flight(client, lineage) is None
+    removed_and_named(client, redis_keys.lease_key(lineage), caplog)
 
 
 @pytest.mark.parametrize(
-    "key_of", [leases.inflight_key, leases.holder_key], ids=["inflight", "holder"]
+    "key_of", [redis_keys.inflight_key, redis_keys.holder_key], ids=["inflight", "holder"]
 )
 def test_a_marker_or_holder_record_of_another_type_does_not_fail_clearing_the_marker(
     client: redis.Redis,
@@ -358,12 +358,12 @@ def test_a_marker_or_holder_record_of_another_type_does_not_fail_clearing_the_ma
 ) -> None:
     # The worker clears its job's marker as it drops a cancelled job and as a life ends.
     lineage = _name("cleared")
-    client.set(leases.inflight_key(lineage), "job-1", ex=600)
-    client.set(leases.holder_key(lineage), f"job-1 {leases.holder_name()}", ex=600)
+    client.set(redis_keys.inflight_key(lineage), "job-1", ex=600)
+    client.set(redis_keys.holder_key(lineage), f"job-1 {holders.holder_name()}", ex=600)
     plant(client, key_of(lineage))
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
-        leases.clear_in_flight(client, lineage, "job-1")
-    assert not client.exists(leases.inflight_key(lineage), leases.holder_key(lineage))
+        markers.clear_in_flight(client, lineage, "job-1")
+    assert not client.exists(redis_keys.inflight_key(lineage), redis_keys.holder_key(lineage))
     removed_and_named(client, key_of(lineage), caplog)
 
 
@@ -375,15 +375,15 @@ def test_a_fetched_jobs_marker_of_another_type_is_removed_not_kept(
     # The worker's main process keeps the marker of each job it fetched; the job's own
     # marker is gone, so there is none of it to keep, and the lineage is free again.
     lineage = _name("kept")
-    plant(client, leases.inflight_key(lineage))
+    plant(client, redis_keys.inflight_key(lineage))
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
-        assert not leases.keep_marker(client, lineage, "job-1", 600)
-    assert leases.in_flight(client, lineage) is None
-    removed_and_named(client, leases.inflight_key(lineage), caplog)
+        assert not markers.keep_marker(client, lineage, "job-1", 600)
+    assert markers.in_flight(client, lineage) is None
+    removed_and_named(client, redis_keys.inflight_key(lineage), caplog)
 
 
 @pytest.mark.parametrize(
-    "key_of", [leases.inflight_key, leases.lease_key], ids=["inflight", "lease"]
+    "key_of", [redis_keys.inflight_key, redis_keys.lease_key], ids=["inflight", "lease"]
 )
 def test_a_dead_holders_job_is_released_whole_beside_a_marker_or_lease_of_another_type(
     client: redis.Redis,
@@ -397,8 +397,8 @@ def test_a_dead_holders_job_is_released_whole_beside_a_marker_or_lease_of_anothe
     _orphan(client, lineage, "job-1", dead_holder())
     plant(client, key_of(lineage))
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
-        assert (lineage, "job-1") in leases.release_dead_holders(client)
-    for key in (leases.inflight_key, leases.holder_key, leases.lease_key):
+        assert (lineage, "job-1") in markers.release_dead_holders(client)
+    for key in (redis_keys.inflight_key, redis_keys.holder_key, redis_keys.lease_key):
         assert not client.exists(key(lineage))
     removed_and_named(client, key_of(lineage), caplog)
 
@@ -410,10 +410,10 @@ def test_a_cancel_flag_of_another_type_does_not_end_the_run(
     # dropped every job of the run unrun (then sent the next, and dropped it, again).
     job, commit = rig.first_generation("flagged", 3)
     assert job.run_id is not None
-    key = leases.cancel_key(job.lineage, job.run_id)
+    key = redis_keys.cancel_key(job.lineage, job.run_id)
     plant(rig.client, key)
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
-        assert not leases.cancel_requested(rig.client, job.lineage, job.run_id)
+        assert not markers.cancel_requested(rig.client, job.lineage, job.run_id)
         follow = rig.planner.follow_up(job, report(job, 1, commit, "0.10"))
     assert follow is not None and follow.expected_commit == commit
     removed_and_named(rig.client, key, caplog)
@@ -449,7 +449,7 @@ def test_a_real_worker_lands_each_generation_once_beside_a_key_of_another_type(
     if kind == "cancel":
         run_id = re.search(r"run (\S+): ", ran.stdout)
         assert run_id is not None, ran.stdout
-        key = leases.cancel_key(lineage, run_id.group(1))
+        key = redis_keys.cancel_key(lineage, run_id.group(1))
         client.hset(key, "a", "b")
     worker = start(fleet, workers, "w1")
     wait_for(lambda: len(generations(fleet, lineage)) == 2, 240, "both generations")

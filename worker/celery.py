@@ -2,7 +2,7 @@
 
 The one module that builds the worker's app at import: it loads the settings and
 the instrument and the fleet plumbing (so the worker's code, scripts and seed are
-fixed from its first moment) and hands them to ``worker.fleet.tasks.worker_app``. A refusal (bad
+fixed from its first moment) and hands them to ``worker.fleet.tasks.WorkerApp``. A refusal (bad
 settings, a fleet-version mismatch) is one line on stderr and exit status 2.
 Nothing else imports this module: senders and inspectors use
 ``worker.fleet.app.client_app``.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from worker.fleet.settings import Settings
-from worker.fleet.tasks import worker_app
+from worker.fleet.tasks import WorkerApp
 from worker.instrument.errors import Refusal
 from worker.instrument.fingerprint import Instrument, current, load_plumbing
 
@@ -28,4 +28,4 @@ def _load() -> tuple[Settings, Instrument]:
         raise SystemExit(2) from None
 
 
-app = worker_app(*_load())
+app = WorkerApp(*_load()).app

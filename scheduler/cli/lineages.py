@@ -29,6 +29,7 @@ from scheduler.fork import resolve, seed_of
 from scheduler.output import console, plain, warn
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
 from worker.fleet.places import require_places
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import current, instrument_commit, instrument_provenance
@@ -130,6 +131,7 @@ def create(
 ) -> LineageMetadata:
     """A new lineage pinned to the instrument running here (``init`` and ``fork``)."""
     repository, ref = instrument_provenance()
+    ensure_shared_repo(settings.lineage_repo_url)
     return create_lineage(
         name=name,
         seed=seed,
@@ -138,7 +140,6 @@ def create(
         commit=instrument_commit(settings.instrument_commit),
         repository=repository,
         ref=ref,
-        repo_url=settings.lineage_repo_url,
         cache=lineage_cache(settings, "scheduler"),
         store=observation_store(settings),
         files=files,

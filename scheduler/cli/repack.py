@@ -20,7 +20,8 @@ import click
 
 from scheduler.cli.common import load_settings
 from scheduler.output import console
-from worker.instrument.gitrepo import harden, local_repository, run_git
+from worker.fleet.repo_admin import harden
+from worker.instrument.gitrepo import local_repository, run_git
 
 
 def _loose(repo: Path) -> int:

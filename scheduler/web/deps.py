@@ -18,7 +18,7 @@ from fastapi import Request
 from scheduler.liveness import Workers, start_hint
 from scheduler.reader import NotFound, Reader
 from scheduler.views import LineageSummary, LineageView, Overview, QueueWait
-from worker.fleet import leases
+from worker.fleet import block_markers, redis_keys
 from worker.fleet.settings import Settings
 from worker.instrument.names import queue_name
 
@@ -63,7 +63,7 @@ def _blocks(request: Request, workers: Workers | None) -> dict[str, str]:
     if settings is None or workers is None or not workers.reachable:
         return {}
     try:
-        found = leases.blocks(leases.redis_client(settings))
+        found = block_markers.blocks(redis_keys.redis_client(settings))
     except (redis.RedisError, OSError):
         return {}  # browsing never fails on the broker
     return {name: record.describe() for name, record in found.items()}

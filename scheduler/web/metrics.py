@@ -57,7 +57,7 @@ from scheduler.liveness import Workers
 from scheduler.reader import Reader
 from scheduler.views import LineageSummary
 from scheduler.web.workers import WorkersProvider
-from worker.fleet import embedded_redis, leases
+from worker.fleet import block_markers, embedded_redis, leases, markers, redis_keys
 from worker.fleet.app import CONTROL_QUEUE, client_app
 from worker.fleet.settings import Settings
 from worker.instrument.model.catalogue import PROVIDER_NAMES
@@ -410,7 +410,7 @@ class FleetCollector(Collector):
         yield from families
 
     def _markers(self, settings: Settings, lineages: list[LineageSummary]) -> list[Metric]:
-        client = leases.redis_client(settings)
+        client = redis_keys.redis_client(settings)
         in_flight = _per_lineage(
             GaugeMetricFamily,
             "ouroboros_lineage_in_flight",
@@ -429,10 +429,10 @@ class FleetCollector(Collector):
         counts = Counter[str]()
         for lineage in lineages:
             marks = {
-                "in_flight": leases.in_flight(client, lineage.name) is not None,
+                "in_flight": markers.in_flight(client, lineage.name) is not None,
                 "running": leases.lease_held(client, lineage.name),
                 # Not one being tried again now (its retry time has come).
-                "blocked": leases.blocking(client, lineage.name) is not None,
+                "blocked": block_markers.blocking(client, lineage.name) is not None,
             }
             in_flight.add_metric([lineage.name], int(marks["in_flight"]))
             running.add_metric([lineage.name], int(marks["running"]))

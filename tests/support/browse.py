@@ -25,6 +25,7 @@ import httpx
 from support.fleet import Fleet, free_port
 from support.legacy_lineage import write_legacy_bundle
 from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
 from worker.instrument import journal
 from worker.instrument.fingerprint import Instrument
@@ -75,6 +76,7 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
     subject, gen 2 died with hostile stderr lines; both observed with hostile
     stderr, prompts, responses and errors.
     """
+    ensure_shared_repo(settings.lineage_repo_url)
     cache, store = lineage_cache(settings), observation_store(settings)
     seed = f";; seed {PAYLOAD}\n".encode()
     instrument = Instrument(
@@ -88,7 +90,6 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
         commit="a" * 40,
         repository="tests",
         ref="tests",
-        repo_url=settings.lineage_repo_url,
         cache=cache,
         store=store,
     )
@@ -143,6 +144,7 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
 def write_unavailable_lineage(settings: Settings, name: str = "down") -> None:
     """A fleet lineage whose one generation is a no-change the model never answered: its
     two calls refused by the provider, the subject and the journal marked."""
+    ensure_shared_repo(settings.lineage_repo_url)
     cache, store = lineage_cache(settings), observation_store(settings)
     seed = b";; seed\n"
     instrument = Instrument(
@@ -156,7 +158,6 @@ def write_unavailable_lineage(settings: Settings, name: str = "down") -> None:
         commit="a" * 40,
         repository="tests",
         ref="tests",
-        repo_url=settings.lineage_repo_url,
         cache=cache,
         store=store,
     )

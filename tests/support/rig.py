@@ -22,9 +22,10 @@ from pathlib import Path
 import redis
 
 from support.fleet import PrivateRedis
-from worker.fleet import leases
+from worker.fleet import holders
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.runs import RunRecord
 from worker.fleet.settings import Settings
 from worker.instrument import journal
@@ -82,6 +83,7 @@ class Rig:
         """A new lineage, made the way ``schedule-lineage init`` makes one."""
         name = self.name(stem)
         settings = self.planner.settings
+        ensure_shared_repo(settings.lineage_repo_url)
         meta = create_lineage(
             name=name,
             seed=SEED,
@@ -90,7 +92,6 @@ class Rig:
             commit="a" * 40,
             repository="tests",
             ref="tests",
-            repo_url=settings.lineage_repo_url,
             cache=self.planner.cache,
             store=self.planner.store,
         )
@@ -174,7 +175,7 @@ def report(
 def dead_holder() -> str:
     """The holder name of a process of this host that has exited."""
     process = subprocess.Popen(["sleep", "60"])
-    name = leases.holder_name(process.pid)
+    name = holders.holder_name(process.pid)
     process.kill()
     process.wait()
     return name

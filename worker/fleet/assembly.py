@@ -48,8 +48,8 @@ def model_throttle(settings: Settings, *, shared: bool) -> Throttle:
     """The cap on model calls: the fleet's in Redis when shared, else this process's own."""
     if shared:
         # Redis only for the fleet's cap: ``run --local`` needs no broker client at all.
-        from worker.fleet.leases import redis_client
         from worker.fleet.model_throttle import RedisThrottle
+        from worker.fleet.redis_keys import redis_client
 
         return RedisThrottle(redis_client(settings), model_cap(settings))
     return LocalThrottle(model_cap(settings))

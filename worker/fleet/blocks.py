@@ -1,6 +1,6 @@
 """What a worker does when a lineage cannot advance: block it, pause it, or clear it.
 
-Owns the rules that turn a failure into a blocked marker (``leases.Block``): a refusal
+Owns the rules that turn a failure into a blocked marker (``block_markers.Block``): a refusal
 by this worker (a key, a price or the instrument missing here) blocks the lineage for
 ``RECHECK_SECONDS``, after which the reconcile pass plans it again (a refusal comes
 before any life, so trying again costs nothing), unless a worker finds the cause gone
@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 
 import redis
 
-from worker.fleet import leases
+from worker.fleet import block_markers, holders
 from worker.instrument.job import GenerationJob, GenerationReport
 
 log = logging.getLogger("ouroboros.worker")
@@ -42,28 +42,28 @@ def block(
     job: GenerationJob,
     node: str | None,
     queue: str,
-    kind: leases.BlockKind,
+    kind: block_markers.BlockKind,
     reason: str,
     retry_in: float | None = RECHECK_SECONDS,
     pauses: int = 0,
-) -> leases.Block | None:
+) -> block_markers.Block | None:
     """Mark the job's lineage blocked (best effort: the broker may be away)."""
     now = datetime.now(UTC)
     # One printable line, as short as a status line can show.
     reason = " ".join(reason.split())[:1000] or "no reason given"
-    record = leases.Block(
+    record = block_markers.Block(
         kind=kind,
         reason="".join(c if c.isprintable() else "?" for c in reason),
         run_id=job.run_id,
         provider=job.provider,
         queue=queue,
-        node=leases.node_name(node),
+        node=holders.node_name(node),
         since=now,
         retry_at=None if retry_in is None else now + timedelta(seconds=retry_in),
         pauses=pauses,
     )
     try:
-        leases.block(client, job.lineage, record)
+        block_markers.block(client, job.lineage, record)
     except redis.RedisError as exc:
         log.warning("%s: could not mark it blocked (%s)", job.lineage, exc)
         return None
@@ -92,7 +92,7 @@ def stop_for_provider(
         return
     previous = None
     with contextlib.suppress(redis.RedisError):
-        previous = leases.blocked(client, job.lineage)
+        previous = block_markers.blocked(client, job.lineage)
     pauses = 0
     if previous is not None and previous.kind == "unavailable" and previous.run_id == job.run_id:
         pauses = min(previous.pauses + 1, 16)
@@ -113,8 +113,8 @@ def stop_for_provider(
 def clear_if_over(client: redis.Redis, lineage: str) -> None:
     """A generation landed without a provider failure: a block tried again is over."""
     try:
-        record = leases.blocked(client, lineage)
+        record = block_markers.blocked(client, lineage)
         if record is not None and record.due():
-            leases.unblock(client, lineage, record)
+            block_markers.unblock(client, lineage, record)
     except redis.RedisError as exc:
         log.warning("%s: could not clear its blocked marker (%s)", lineage, exc)

@@ -30,7 +30,7 @@ from typing import Literal
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from worker.fleet import leases
+from worker.fleet import block_markers, holders, redis_keys
 from worker.instrument.errors import Refusal
 from worker.instrument.model.catalogue import DEFAULT_MODELS, PROVIDER_NAMES
 from worker.instrument.model.prices import Prices
@@ -38,7 +38,7 @@ from worker.instrument.settings import InstrumentSettings
 
 # An advertisement outlives its worker by at most this long; renewed every third of it.
 ADVERT_SECONDS = 30
-_ADVERTS = f"{leases.PREFIX}:worker:"
+_ADVERTS = f"{redis_keys.PREFIX}:worker:"
 # The checks a job meets before its life, asked without a price: a run brings its own.
 _ANY_PRICE = Prices(input_usd_per_mtok=Decimal(0), output_usd_per_mtok=Decimal(0))
 log = logging.getLogger("ouroboros.worker")
@@ -57,7 +57,7 @@ class Advert(BaseModel):
     node: str = Field(pattern=r"^[A-Za-z0-9@._-]{1,200}$")
     queue: str = Field(pattern=r"^gen\.[0-9a-f]{12}$")
     providers: list[Literal[PROVIDER_NAMES]]  # type: ignore[valid-type]
-    started: leases.UtcTime
+    started: block_markers.UtcTime
 
 
 def servable(settings: InstrumentSettings) -> list[str]:
@@ -136,7 +136,7 @@ def recheck(
     environment is changed). A pause is left to its retry time.
     """
     cleared = []
-    for lineage, record in leases.blocks(client).items():
+    for lineage, record in block_markers.blocks(client).items():
         if record.queue != advert.queue or record.provider not in advert.providers:
             continue
         restarted = advert.started > record.since
@@ -144,7 +144,7 @@ def recheck(
             continue
         if record.kind == "refused" and not restarted:
             continue
-        if leases.unblock(client, lineage, record):
+        if block_markers.unblock(client, lineage, record):
             log.info(
                 "%s: %s can serve %s now; cleared its block (%s)",
                 lineage,
@@ -166,7 +166,7 @@ def advertise_forever(
 ) -> None:
     """Keep this worker's advertisement alive and re-check the lineages blocked on its queue."""
     started = datetime.now(UTC)
-    node = leases.node_name(node)
+    node = holders.node_name(node)
     served: set[str] | None = None
     while True:
         try:

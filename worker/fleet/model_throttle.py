@@ -38,7 +38,7 @@ from contextlib import contextmanager
 
 import redis
 
-from worker.fleet.leases import PREFIX
+from worker.fleet.redis_keys import PREFIX
 from worker.instrument.model.throttle import POLL_SECONDS, Admission, Cap, no_room
 
 log = logging.getLogger("ouroboros.worker")

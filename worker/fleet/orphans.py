@@ -34,7 +34,7 @@ from typing import cast
 
 import redis
 
-from worker.fleet import leases
+from worker.fleet import markers, redis_keys
 
 log = logging.getLogger("ouroboros.reconcile")
 # How many delivered messages one pass reads: at most one job per lineage is in flight.
@@ -107,13 +107,18 @@ def reclaim(
     stranded: ``delivered_before`` up to ``lease_seconds`` ago.
     """
     # Read through the module that owns the markers: a key of another type is repaired.
-    job_id = leases.in_flight(client, lineage)
+    job_id = markers.in_flight(client, lineage)
     if job_id is None or job_id not in stranded:
         return None
-    record = leases.holder_record(client, lineage)
+    record = markers.holder_record(client, lineage)
     if record is not None and record.startswith(f"{job_id} "):
         return None
-    keys = [leases.inflight_key(lineage), leases.holder_key(lineage), unacked.hash, unacked.index]
+    keys = [
+        redis_keys.inflight_key(lineage),
+        redis_keys.holder_key(lineage),
+        unacked.hash,
+        unacked.index,
+    ]
     deadline = time.time() - lease_seconds
     if not client.eval(_RECLAIM, len(keys), *keys, job_id, stranded[job_id], deadline):
         return None

@@ -23,9 +23,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import ensure_shared_repo, local_repository
+from worker.instrument.gitrepo import local_repository
 from worker.instrument.store import FileStore, open_store
 
 

@@ -12,7 +12,7 @@ pass also frees the claim of a job whose fetcher died before registering it
 sent to the front of its queue. A store outage does not stop a reconcile pass: each
 lineage whose record cannot be read is skipped, and the outage is logged once when it
 starts and once when it ends. A new run and a cancellation clear the lineage's blocked
-marker (``leases.Block``): whatever blocked the old run is the user's to find again,
+marker (``block_markers.Block``): whatever blocked the old run is the user's to find again,
 not a reason to refuse the new one. A run is started with its model's prices (this
 process's settings, else the built-in table), which its every job carries.
 
@@ -30,7 +30,7 @@ from decimal import Decimal
 
 import redis
 
-from worker.fleet import leases, orphans
+from worker.fleet import block_markers, leases, markers, orphans
 from worker.fleet.orphans import Unacked
 from worker.fleet.outage import Outage, probe
 from worker.fleet.runs import (
@@ -166,20 +166,20 @@ class Planner:
             self.save_run(
                 previous.model_copy(update={"status": "cancelled", "cancelled_at": run.created_at})
             )
-            leases.request_cancel(
+            markers.request_cancel(
                 self.client, lineage, previous.run_id, self.settings.visibility_timeout_seconds
             )
         self.save_run(run)
-        leases.unblock(self.client, lineage)
+        block_markers.unblock(self.client, lineage)
         return run
 
     def cancel(self, lineage: str) -> RunRecord | None:
         """Cancel the lineage's active run (None if it has none); its blocked marker goes."""
-        leases.unblock(self.client, lineage)
+        block_markers.unblock(self.client, lineage)
         run = self.latest_run(lineage)
         if run is None or run.status != "active":
             return None
-        leases.request_cancel(
+        markers.request_cancel(
             self.client, lineage, run.run_id, self.settings.visibility_timeout_seconds
         )
         cancelled = run.model_copy(
@@ -210,7 +210,7 @@ class Planner:
             return None
         if report.run_budget_exhausted:
             return None
-        if leases.cancel_requested(self.client, job.lineage, job.run_id):
+        if markers.cancel_requested(self.client, job.lineage, job.run_id):
             return None
         try:
             run = self.latest_run(job.lineage)
@@ -248,10 +248,12 @@ class Planner:
         # Claimed for a lease's time until the job is surely queued: a send that fails
         # (the broker gone between the two) leaves a claim that expires within
         # lease_seconds, not one that keeps the reconciler away for inflight_ttl_seconds.
-        if not leases.mark_in_flight(self.client, job.lineage, job_id, self.settings.lease_seconds):
+        if not markers.mark_in_flight(
+            self.client, job.lineage, job_id, self.settings.lease_seconds
+        ):
             return False
         self.send(job, job_id, queue_of(meta), hard_time_limit(meta), first)
-        leases.extend_in_flight(
+        markers.extend_in_flight(
             self.client, job.lineage, job_id, self.settings.inflight_ttl_seconds
         )
         return True
@@ -262,9 +264,9 @@ class Planner:
         """Enqueue ``job`` (or the planned next one) unless one is in flight, or the lineage
         is blocked and not yet due to be tried again."""
         if (
-            leases.in_flight(self.client, lineage)
+            markers.in_flight(self.client, lineage)
             or leases.lease_held(self.client, lineage)
-            or leases.blocking(self.client, lineage)
+            or block_markers.blocking(self.client, lineage)
         ):
             return None
         job = job or self.plan(lineage)

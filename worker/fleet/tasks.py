@@ -1,6 +1,6 @@
 """The worker's Celery app: the generation and reconcile tasks and the worker's start-up.
 
-Owns ``worker_app``, which ``worker.celery`` calls once to build the app that
+Owns ``WorkerApp``, which ``worker.celery`` builds once for the app that
 ``celery -A worker worker`` runs: the client configuration of ``worker.fleet.app``,
 the queues this worker serves (its own instrument's ``gen.<fingerprint12>`` and the
 control queue), the generation task (validate the payload, check it against its run's
@@ -19,7 +19,7 @@ worker at a time through ``leases.Turn``: no run waits on a reconciler process n
 started, and a follow-up a broker outage lost is sent once Redis is back)
 and the observation store (probed with every spool retry; its outages are logged once
 when they start and once when they end). Its Redis clients and its sends wait out a
-broker restart (``leases.OUTLAST_RESTART``, ``PUBLISH_RETRY``): a life that lands
+broker restart (``redis_keys.OUTLAST_RESTART``, ``PUBLISH_RETRY``): a life that lands
 while Redis restarts releases its lease and sends its follow-up once Redis is back.
 
 A thread of its own advertises which model providers this worker can serve and
@@ -51,17 +51,18 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
+from functools import cached_property
 
 import redis
 from celery import Celery, Task, signals
+from celery.app.task import Context
 from celery.exceptions import CPendingDeprecationWarning
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
-from worker.fleet import blocks, capabilities, embedded_redis, leases
+from worker.fleet import blocks, capabilities, embedded_redis, holders, leases, markers, redis_keys
 from worker.fleet.app import (
     CONTROL_QUEUE,
     GENERATION_TASK,
@@ -99,64 +100,106 @@ RUNS_REMEMBERED = 256
 log = logging.getLogger("ouroboros.worker")
 
 
-def worker_app(settings: Settings, instrument: Instrument) -> Celery:
-    """The app of a sandbox host: its tasks, its queues and its start-up, for ``instrument``."""
-    app = client_app(settings, amqp=ScreeningAMQP)
-    app.conf.task_publish_retry_policy = PUBLISH_RETRY
-    # Celery's consumer gives up after 100 attempts (about 3 minutes at the transport's
-    # pacing) and the worker exits; a worker waits out a broker outage of any length,
-    # and its reconcile turns resend what the outage lost once Redis is back.
-    app.conf.broker_connection_max_retries = None
-    serve(app, instrument.queue)
-    app.conf.broker_transport_options = {
-        **app.conf.broker_transport_options,
-        "task_queues": {instrument.queue: [GENERATION_TASK], CONTROL_QUEUE: [RECONCILE_TASK]},
-    }
-    fetched: dict[str, str] = {}  # job id -> lineage, for the jobs this main process holds
+class WorkerApp:
+    """The app of a sandbox host, for ``instrument``: its tasks, its queues, its start-up
+    and the threads of its main process, one method each.
 
-    @cache
-    def main_client() -> redis.Redis:
-        # The main process's own client; pool children never use it (they fork first).
-        return leases.redis_client(settings, outlast_restart=True)
+    What a process builds once and keeps (Redis clients, planners, the pipeline) is a
+    cached property; a pool child drops the ones it must not share with the parent
+    (``fresh_clients``) and builds its own on first use.
+    """
 
-    @cache
-    def child_client() -> redis.Redis:
-        # A pool child's own client, kept for all its jobs: a client per job opened new
-        # connections every time, and redis-py reads its package metadata for each one
-        # (about 15 ms of CPU per generation, bench/bench_parallel.py).
-        return leases.redis_client(settings, outlast_restart=True)
+    def __init__(self, settings: Settings, instrument: Instrument) -> None:
+        self.settings = settings
+        self.instrument = instrument
+        self.fetched: dict[str, str] = {}  # job id -> lineage, for the jobs the main process holds
+        self.remembered: OrderedDict[tuple[str, str], RunRecord | None] = OrderedDict()
+        self.app = self._configured_app()
+        self._register_tasks()
+        signals.worker_init.connect(self.preflight, weak=False)
+        for after_setup in (self.advertise, self.quiet_connection_loss, self.share_with_pool):
+            signals.celeryd_after_setup.connect(after_setup, weak=False)
+        signals.worker_shutdown.connect(self.withdraw, weak=False)
+        signals.task_received.connect(self.on_fetched, weak=False)
+        signals.worker_process_init.connect(self.fresh_clients, weak=False)
 
-    def planner_on(client: redis.Redis) -> Planner:
+    def _configured_app(self) -> Celery:
+        app = client_app(self.settings, amqp=ScreeningAMQP)
+        app.conf.task_publish_retry_policy = PUBLISH_RETRY
+        # Celery's consumer gives up after 100 attempts (about 3 minutes at the transport's
+        # pacing) and the worker exits; a worker waits out a broker outage of any length,
+        # and its reconcile turns resend what the outage lost once Redis is back.
+        app.conf.broker_connection_max_retries = None
+        queue = self.instrument.queue
+        serve(app, queue)
+        app.conf.broker_transport_options = {
+            **app.conf.broker_transport_options,
+            "task_queues": {queue: [GENERATION_TASK], CONTROL_QUEUE: [RECONCILE_TASK]},
+        }
+        return app
+
+    def _register_tasks(self) -> None:
+        @self.app.task(name=GENERATION_TASK, bind=True)
+        def generation(task: Task[..., str], payload: object = None) -> str:
+            """Run one generation; then plan the lineage's next one."""
+            return self.generation(task.request, payload)
+
+        @self.app.task(name=RECONCILE_TASK)
+        def reconcile() -> list[str]:
+            """Re-enqueue every lineage whose run wants more and has nothing in flight."""
+            return self.planner.reconcile()
+
+    @cached_property
+    def main_client(self) -> redis.Redis:
+        """The main process's own client; pool children never use it (they fork first)."""
+        return redis_keys.redis_client(self.settings, outlast_restart=True)
+
+    @cached_property
+    def child_client(self) -> redis.Redis:
+        """A pool child's own client, kept for all its jobs.
+
+        A client per job opened new connections every time, and redis-py reads its
+        package metadata for each one (about 15 ms of CPU per generation,
+        bench/bench_parallel.py).
+        """
+        return redis_keys.redis_client(self.settings, outlast_restart=True)
+
+    def planner_on(self, client: redis.Redis) -> Planner:
         return Planner(
-            settings=settings,
-            store=observation_store(settings),
-            cache=lineage_cache(settings),
+            settings=self.settings,
+            store=observation_store(self.settings),
+            cache=lineage_cache(self.settings),
             client=client,
-            send=sender(app),
-            unacked=lambda: unacked_keys(app),
+            send=sender(self.app),
+            unacked=lambda: unacked_keys(self.app),
         )
 
-    @cache
-    def main_planner() -> Planner:
-        # The main process's own, for the jobs it releases; pool children never use it.
-        return planner_on(main_client())
+    @cached_property
+    def main_planner(self) -> Planner:
+        """The main process's own, for the jobs it releases; pool children never use it."""
+        return self.planner_on(self.main_client)
 
-    @cache
-    def pipeline() -> Pipeline:
-        return build_pipeline(settings, shared_cap=True)
+    @cached_property
+    def advert_planner(self) -> Planner:
+        """The advertising thread's own: a planner's repository cache is not shared between
+        threads (the recoveries have theirs)."""
+        return self.planner_on(self.main_client)
 
-    @cache
-    def planner() -> Planner:
-        return planner_on(child_client())
+    @cached_property
+    def pipeline(self) -> Pipeline:
+        return build_pipeline(self.settings, shared_cap=True)
 
-    remembered: OrderedDict[tuple[str, str], RunRecord | None] = OrderedDict()
+    @cached_property
+    def planner(self) -> Planner:
+        """A pool child's planner, on its own client."""
+        return self.planner_on(self.child_client)
 
-    def run_record(lineage: str, run_id: str) -> RunRecord | None:
+    def run_record(self, lineage: str, run_id: str) -> RunRecord | None:
         """The run's durable record, read anew for every job (a cancellation changes it);
         while the store is away, the one this pool child read last, if any."""
-        key = (lineage, run_id)
+        key, remembered = (lineage, run_id), self.remembered
         try:
-            record = planner().run_record(lineage, run_id)
+            record = self.planner.run_record(lineage, run_id)
         except StoreUnavailable:
             if key not in remembered:
                 raise
@@ -167,53 +210,51 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             remembered.popitem(last=False)
         return record
 
-    @app.task(name=GENERATION_TASK, bind=True)
-    def generation(self: Task[..., str], payload: object = None) -> str:
-        """Run one generation; then plan the lineage's next one."""
-        request = self.request
+    def generation(self, request: Context, payload: object) -> str:
+        """The generation task: check the job, live it under its lease, plan what follows."""
         assert request.id is not None, "a delivered task always has its id"
         job = _job(payload, request.id)
         if job is None:
             return "rejected"
-        client = child_client()
-        if job.run_id and leases.cancel_requested(client, job.lineage, job.run_id):
+        client, planner, queue = self.child_client, self.planner, self.instrument.queue
+        if job.run_id and markers.cancel_requested(client, job.lineage, job.run_id):
             # Cancelled, or replaced by a newer run, while it waited: its life must not
             # be paid for; whatever the newest record wants comes next instead.
             log.info("%s: run %s ended; not running %s", job.lineage, job.run_id, request.id)
-            leases.clear_in_flight(client, job.lineage, request.id)
-            _plan_next(planner(), job, None)
+            markers.clear_in_flight(client, job.lineage, request.id)
+            _plan_next(planner, job, None)
             return "cancelled"
         try:
-            run = run_record(job.lineage, job.run_id) if job.run_id else None
+            run = self.run_record(job.lineage, job.run_id) if job.run_id else None
         except StoreUnavailable as exc:
             # Unchecked prices are never charged: the lineage waits for the re-check,
             # when the reconcile pass (or a worker's re-check) plans it again.
             reason = f"the prices of run {job.run_id} cannot be checked now: {exc}"
             log.error("%s: not running %s: %s", job.lineage, request.id, reason)
-            blocks.block(client, job, request.hostname, instrument.queue, "worker", reason)
-            leases.clear_in_flight(client, job.lineage, request.id)
+            blocks.block(client, job, request.hostname, queue, "worker", reason)
+            markers.clear_in_flight(client, job.lineage, request.id)
             return "unchecked"
         why = tampered(job, run)
         if why is not None:
             log.error(
                 "%s: rejected job %s as tampered (%s); nothing run", job.lineage, request.id, why
             )
-            leases.clear_in_flight(client, job.lineage, request.id)
+            markers.clear_in_flight(client, job.lineage, request.id)
             # A genuine job rewritten on its way leaves its run without one: plan it anew.
-            _plan_next(planner(), job, None)
+            _plan_next(planner, job, None)
             return "tampered"
         if run is not None and run.status != "active":
             # Its run ended after the cancel flag (a hint that expires) was gone.
             log.info("%s: run %s ended; not running %s", job.lineage, job.run_id, request.id)
-            leases.clear_in_flight(client, job.lineage, request.id)
-            _plan_next(planner(), job, None)
+            markers.clear_in_flight(client, job.lineage, request.id)
+            _plan_next(planner, job, None)
             return "cancelled"
         redelivered = bool((request.delivery_info or {}).get("redelivered"))
         attempt = 1 + request.retries + int(redelivered)
         report = None
         try:
-            with leases.holding(client, job.lineage, request.id, settings.lease_seconds):
-                report = pipeline().run(job, task_id=request.id, attempt=attempt)
+            with leases.holding(client, job.lineage, request.id, self.settings.lease_seconds):
+                report = self.pipeline.run(job, task_id=request.id, attempt=attempt)
         except leases.LeaseBusy:
             log.info("%s: another worker holds the lease; not running %s", job.lineage, request.id)
             return "busy"
@@ -221,28 +262,24 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             log.info("stale job %s: %s", request.id, exc)
         except Refusal as exc:
             log.error("%s cannot advance here: %s", job.lineage, exc)
-            blocks.block(client, job, request.hostname, instrument.queue, "worker", str(exc))
-            _plan_next(planner(), job, None)
+            blocks.block(client, job, request.hostname, queue, "worker", str(exc))
+            _plan_next(planner, job, None)
             return "refused"
         if report is None:
-            _plan_next(planner(), job, None)
+            _plan_next(planner, job, None)
             return "stale"
-        _after_landing(client, planner(), job, report, request.hostname, instrument.queue)
+        _after_landing(client, planner, job, report, request.hostname, queue)
         log.info("%s gen %d: %s %s", job.lineage, report.generation, report.outcome, report.commit)
         return report.outcome
 
-    @app.task(name=RECONCILE_TASK)
-    def reconcile() -> list[str]:
-        """Re-enqueue every lineage whose run wants more and has nothing in flight."""
-        return planner().reconcile()
-
-    @signals.worker_init.connect(weak=False)
-    def preflight(**_: object) -> None:
-        """Refuse to start without a working ceiling; finish publications a crash left."""
+    def preflight(self, **_: object) -> None:
+        """Refuse to start without a working ceiling; finish publications a crash left;
+        start the main process's threads."""
+        settings, instrument = self.settings, self.instrument
         try:
             embedded_redis.ensure(settings)
             require_store_of_fleet(settings)
-            remaining = pipeline().drain()
+            remaining = self.pipeline.drain()
         except Refusal as exc:
             log.critical("refusing to start: %s", exc)
             print(f"error: {exc}", file=sys.stderr)
@@ -255,7 +292,10 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             remaining,
         )
         threading.Thread(
-            target=_drain_forever, args=(pipeline, settings), name="spool-drain", daemon=True
+            target=_drain_forever,
+            args=(lambda: self.pipeline, settings),
+            name="spool-drain",
+            daemon=True,
         ).start()
         # Recoveries read the store and the repository: in a thread of their own, so a
         # slow store never holds up the sweep and the markers' renewals.
@@ -263,9 +303,9 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         threading.Thread(
             target=_watch_markers,
             args=(
-                fetched,
-                main_client,
-                lambda lineage: recoveries.submit(_recover, main_planner, lineage),
+                self.fetched,
+                lambda: self.main_client,
+                lambda lineage: recoveries.submit(_recover, lambda: self.main_planner, lineage),
                 settings.lease_seconds,
             ),
             name="markers",
@@ -274,44 +314,38 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
         threading.Thread(
             target=_take_turns,
             args=(
-                main_client,
-                lambda keep: recoveries.submit(lambda: main_planner().reconcile(keep)).result(),
+                lambda: self.main_client,
+                lambda keep: recoveries.submit(lambda: self.main_planner.reconcile(keep)).result(),
                 settings.reconcile_interval_seconds,
             ),
             name="reconcile-turns",
             daemon=True,
         ).start()
 
-    @cache
-    def advert_planner() -> Planner:
-        # The advertising thread's own: a planner's repository cache is not shared
-        # between threads (the recoveries have theirs).
-        return planner_on(main_client())
-
-    @signals.celeryd_after_setup.connect(weak=False)
-    def advertise(sender: str, **_: object) -> None:
+    def advertise(self, sender: str, **_: object) -> None:
         """Advertise what this worker can serve, and re-check the lineages blocked on it."""
         threading.Thread(
             target=capabilities.advertise_forever,
             args=(
                 sender,
-                instrument.queue,
-                settings,
-                main_client,
-                lambda lineage: _recover(advert_planner, lineage, "once its block was cleared"),
+                self.instrument.queue,
+                self.settings,
+                lambda: self.main_client,
+                lambda lineage: _recover(
+                    lambda: self.advert_planner, lineage, "once its block was cleared"
+                ),
             ),
             name="advertise",
             daemon=True,
         ).start()
 
-    @signals.worker_shutdown.connect(weak=False)
-    def withdraw(sender: object = None, **_: object) -> None:
+    def withdraw(self, sender: object = None, **_: object) -> None:
+        """Withdraw this worker's advertisement as it shuts down."""
         with contextlib.suppress(redis.RedisError):
             hostname = str(getattr(sender, "hostname", sender))
-            capabilities.withdraw(main_client(), leases.node_name(hostname))
+            capabilities.withdraw(self.main_client, holders.node_name(hostname))
 
-    @signals.task_received.connect(weak=False)
-    def on_fetched(request: Request, **_: object) -> None:
+    def on_fetched(self, request: Request, **_: object) -> None:
         """From now on the job's marker lives as long as this worker holds the job."""
         if request.name != GENERATION_TASK:
             return
@@ -319,40 +353,40 @@ def worker_app(settings: Settings, instrument: Instrument) -> Celery:
             job = GenerationJob.model_validate((request.kwargs or {}).get("payload"))
         except (ValidationError, AttributeError):
             return  # the pool child rejects it, with its reasons
-        fetched[request.id] = job.lineage
-        _keep_marker(main_client(), job.lineage, request.id, settings.lease_seconds)
+        self.fetched[request.id] = job.lineage
+        _keep_marker(self.main_client, job.lineage, request.id, self.settings.lease_seconds)
 
-    @signals.celeryd_after_setup.connect(weak=False)
-    def quiet_connection_loss(**_: object) -> None:
-        # Celery warns at every connection loss that a future release will cancel running
-        # tasks by default. This fleet decided not to (worker.fleet.app): the warning is
-        # noise. Installed here because Celery's logging set-up re-enables its warnings.
+    def quiet_connection_loss(self, **_: object) -> None:
+        """Silence Celery's warning at every connection loss that a future release will
+        cancel running tasks by default.
+
+        This fleet decided not to (worker.fleet.app): the warning is noise. Installed
+        after set-up because Celery's logging set-up re-enables its warnings.
+        """
         warnings.filterwarnings(
             "ignore", message=r"\s*In Celery 5.1 we introduced", category=CPendingDeprecationWarning
         )
 
-    @signals.celeryd_after_setup.connect(weak=False)
-    def share_with_pool(**_: object) -> None:
-        # Sent after the preflight and the logging set-up, before the prefork pool forks
-        # its children (one per concurrent life). What the parent holds by then (every
-        # module, the app, the pipeline it drained with) is the bulk of a child's heap.
-        # Frozen, no child's garbage collector ever walks those objects, so their pages
-        # stay shared with the parent instead of being copied into every child at its
-        # first full collection (bench/bench_parallel.py: a busy child's private memory
-        # went from about 45 MiB to 23 MiB, and its CPU per life down by a fifth).
+    def share_with_pool(self, **_: object) -> None:
+        """Freeze what the parent holds before the prefork pool forks its children.
+
+        Sent after the preflight and the logging set-up, before the pool forks its
+        children (one per concurrent life). What the parent holds by then (every module,
+        the app, the pipeline it drained with) is the bulk of a child's heap. Frozen, no
+        child's garbage collector ever walks those objects, so their pages stay shared
+        with the parent instead of being copied into every child at its first full
+        collection (bench/bench_parallel.py: a busy child's private memory went from
+        about 45 MiB to 23 MiB, and its CPU per life down by a fifth).
+        """
         gc.collect()
         gc.freeze()
         log.info("%d objects frozen before the pool forks", gc.get_freeze_count())
 
-    @signals.worker_process_init.connect(weak=False)
-    def fresh_clients(**_: object) -> None:
-        # A pool child must not share the parent's sockets (S3, Redis): build its own.
-        child_client.cache_clear()
-        pipeline.cache_clear()
-        planner.cache_clear()
-        remembered.clear()
-
-    return app
+    def fresh_clients(self, **_: object) -> None:
+        """A pool child must not share the parent's sockets (S3, Redis): it builds its own."""
+        for name in ("child_client", "pipeline", "planner"):
+            self.__dict__.pop(name, None)
+        self.remembered.clear()
 
 
 def _job(payload: object, task_id: str) -> GenerationJob | None:
@@ -402,7 +436,7 @@ def _after_landing(
 
 def _keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
     try:
-        leases.keep_marker(client, lineage, job_id, ttl_seconds)
+        markers.keep_marker(client, lineage, job_id, ttl_seconds)
     except redis.RedisError as exc:
         log.warning("%s: could not renew the marker of %s (%s)", lineage, job_id, exc)
 
@@ -425,7 +459,7 @@ def _watch_markers(
         released: list[tuple[str, str]] = []
         # The broker away: nothing to release now, and the renewals below log it.
         with contextlib.suppress(redis.RedisError):
-            released = leases.release_dead_holders(client())
+            released = markers.release_dead_holders(client())
         for lineage, _job_id in released:
             recover(lineage)
         if time.monotonic() - renewed < ttl_seconds / 3:

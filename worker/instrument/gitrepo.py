@@ -1,12 +1,12 @@
 """Git for lineages: the worker's local cache and the shared bare repository.
 
-Owns every git operation of the worker: creating the shared bare repository,
-incremental fetches of one lineage branch into the local cache, reading blobs and
-trees, writing blobs, trees and commits, and the compare-and-swap push. Objects are
-read and written in this process through libgit2 (pygit2), so a generation spawns no
-git process: no hook, filter, attribute, ``.gitignore`` or external diff helper of the
-lineage's content exists there to influence what is recorded, and no automatic gc or
-maintenance runs after a write (repacking is scheduled: deploy/README.md).
+Owns every git operation of the worker: creating its cache, incremental fetches of one
+lineage branch into the local cache, reading blobs and trees, writing blobs, trees and
+commits, and the compare-and-swap push. Objects are read and written in this process
+through libgit2 (pygit2), so a generation spawns no git process: no hook, filter,
+attribute, ``.gitignore`` or external diff helper of the lineage's content exists
+there to influence what is recorded, and no automatic gc or maintenance runs after a
+write (repacking is scheduled: deploy/README.md).
 
 The shared repository is reached two ways:
 
@@ -26,9 +26,10 @@ The shared repository is reached two ways:
 Either way a push moves the branch only from the expected head, and one that loses
 a race is reported as lost (``push_cas`` returns False), never retried here; in
 process, one that would not fast-forward from the expected head fails too. Over ssh
-the shared repository's own configuration (``_REPO_CONFIG``, set by ``harden``)
-refuses a non-fast-forward and a deletion, whoever pushes: the fleet's own pushes
-are all fast-forwards or creations.
+the shared repository's own configuration (``REPO_CONFIG``, written into every
+repository made here and set in an existing one by ``worker.fleet.repo_admin``)
+refuses a non-fast-forward and a deletion, whoever pushes: the fleet's own pushes are
+all fast-forwards or creations.
 
 Trusts: libgit2, the git binary and the configured remote. Treats every path and
 byte of lineage content as data.
@@ -104,9 +105,10 @@ pygit2.option(Option.ENABLE_FSYNC_GITDIR, True)
 # runs nothing a repository's config names; as ``git --git-dir`` does, a repository
 # owned by another account (the operator's shell beside the ``ouroboros`` service) opens.
 pygit2.option(Option.SET_OWNER_VALIDATION, False)
-# Configuration of every repository this module creates (the shared one, each cache),
-# and set again in an existing one its owner opens to write (``harden``).
-_REPO_CONFIG = {
+# Configuration of every repository made here (each cache, and the shared one that
+# ``worker.fleet.repo_admin`` creates), and set again by that module in an existing one
+# its owner opens to write.
+REPO_CONFIG = {
     # No automatic gc anywhere, including a receive-pack that a plain ``git push`` of an
     # operator starts: repacking is scheduled (deploy/README.md, "Repacking").
     "gc.auto": "0",
@@ -244,68 +246,12 @@ def local_path(url: str) -> Path:
     return Path(url.removeprefix("file://"))
 
 
-def ensure_shared_repo(url: str) -> None:
-    """Create the shared bare repository if it is a local path that does not exist yet;
-    one that exists (made by an earlier version, or by hand) is hardened (``harden``)."""
-    path = local_repository(url)
-    if path is None:
-        return
-    if (path / "HEAD").exists():
-        harden(path)
-        return
-    if path.exists() and any(path.iterdir()):
-        raise Refusal(
-            f"{path} exists but is not a bare git repository; "
-            "point OUROBOROS_LINEAGE_REPO elsewhere"
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    _init_bare(path)
-
-
-def _init_bare(path: Path) -> None:
+def init_bare(path: Path) -> None:
+    """Make a bare repository at ``path`` with ``REPO_CONFIG``."""
     pygit2.init_repository(str(path), bare=True)
-    harden(path)
-
-
-def harden(path: Path) -> list[str]:
-    """Set in the bare repository at ``path`` each setting of ``_REPO_CONFIG`` it lacks
-    (or holds with another value); the names set.
-
-    Only the repository's own configuration file counts (not the user's or the system's,
-    which another account or host does not share), and only its owner writes it: a
-    repository of another account (the ``ouroboros`` service's, opened from an operator's
-    shell) is left as it is, with a warning naming what it lacks, since a config file
-    rewritten by another account would change hands. The worker never calls this on
-    the shared repository; the commands that create or import lineages and ``repack`` do.
-    """
-    file = path / "config"
-    config = pygit2.Config(str(file))
-    missing = [name for name, value in _REPO_CONFIG.items() if not _holds(config, name, value)]
-    if not missing:
-        return []
-    if file.stat().st_uid != os.geteuid():
-        log.warning(
-            "%s lacks %s and belongs to another account; as its owner run: %s",
-            path,
-            ", ".join(f"{name}={_REPO_CONFIG[name]}" for name in missing),
-            " && ".join(
-                f"git --git-dir={path} config {name} {_REPO_CONFIG[name]}" for name in missing
-            ),
-        )
-        return []
-    for name in missing:
-        config[name] = _REPO_CONFIG[name]
-    return missing
-
-
-def _holds(config: pygit2.Config, name: str, value: str) -> bool:
-    """Whether ``config`` sets ``name`` to ``value`` as git reads it ("yes" is "true")."""
-    try:
-        if value in ("true", "false"):
-            return config.get_bool(name) == (value == "true")
-        return config.get_int(name) == int(value)
-    except (KeyError, ValueError, pygit2.GitError):
-        return False
+    config = pygit2.Config(str(path / "config"))
+    for name, value in REPO_CONFIG.items():
+        config[name] = value
 
 
 def local_repository(url: str) -> Path | None:
@@ -405,7 +351,7 @@ class LineageCache:
         self._known: dict[str, Lineage] = {}
         if not (cache_dir / "HEAD").exists():
             cache_dir.mkdir(parents=True, exist_ok=True)
-            _init_bare(cache_dir)
+            init_bare(cache_dir)
         self.repo = pygit2.Repository(str(cache_dir))
         self._shared_path = local_repository(remote_url)
         self._shared_repo: pygit2.Repository | None = None

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from worker.instrument.errors import Refusal
 from worker.instrument.fields import LineageName
 from worker.instrument.fingerprint import Instrument
-from worker.instrument.gitrepo import Entry, LineageCache, ensure_shared_repo
+from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.keys import metadata_key
 from worker.instrument.names import (
     COMMIT_PATTERN,
@@ -146,7 +146,6 @@ def create_lineage(
     commit: str,
     repository: str,
     ref: str,
-    repo_url: str,
     cache: LineageCache,
     store: ObservationStore,
     files: Mapping[str, Entry] | None = None,
@@ -159,7 +158,6 @@ def create_lineage(
     organism.el among them are ignored).
     """
     check_name(name)
-    ensure_shared_repo(repo_url)
     if cache.fetch(name) is not None:
         raise Refusal(f"lineage {name} already exists; choose another name")
     if store.get(metadata_key(name)) is not None:
