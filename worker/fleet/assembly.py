@@ -58,7 +58,8 @@ def model_throttle(settings: Settings, *, shared: bool) -> Throttle:
 def build_pipeline(
     settings: Settings, ceiling: str | None = None, *, shared_cap: bool = False
 ) -> Pipeline:
-    """A ready pipeline; the ceiling preflight runs here, before any generation.
+    """A ready pipeline; the ceiling preflight and the host's probes run here, before
+    any generation.
 
     shared_cap: the model cap is the fleet's, in the broker's Redis (a worker of the
     fleet), rather than this process's own (``run --local``, which needs no broker).
@@ -66,16 +67,26 @@ def build_pipeline(
     # Imported here: readers build stores and caches from this module without loading
     # the sandbox, ceilings or model socket.
     from worker.instrument.ceilings import select_ceiling
+    from worker.instrument.host import BwrapSandbox, probe_host
     from worker.instrument.pipeline import Pipeline
 
     instrument = current()
+    commit = instrument_commit(settings.instrument_commit)
+    driver = select_ceiling(ceiling or settings.ceiling, settings.cgroup_parent)
+    store, cache = observation_store(settings), lineage_cache(settings)
+    spool = Spool(state_dir(settings) / "spool")
+    throttle = model_throttle(settings, shared=shared_cap)
+    # The host last, as the pipeline itself once probed it: a refusal about the store
+    # or the ceiling still comes first.
+    host = probe_host(settings, driver)
     return Pipeline(
         settings=settings,
         instrument=instrument,
-        instrument_commit=instrument_commit(settings.instrument_commit),
-        ceiling=select_ceiling(ceiling or settings.ceiling, settings.cgroup_parent),
-        store=observation_store(settings),
-        cache=lineage_cache(settings),
-        spool=Spool(state_dir(settings) / "spool"),
-        throttle=model_throttle(settings, shared=shared_cap),
+        instrument_commit=commit,
+        host=host,
+        sandbox=BwrapSandbox(driver, host.emacs),
+        store=store,
+        cache=cache,
+        spool=spool,
+        throttle=throttle,
     )

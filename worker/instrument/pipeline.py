@@ -18,28 +18,25 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import socket
-import subprocess
 import tarfile
 import tempfile
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
 from worker.instrument import index, journal
-from worker.instrument.ceilings import Ceiling
 from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
-from worker.instrument.identity import IdentityPool
+from worker.instrument.host import HostFacts, Sandbox
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.keys import generation_key
 from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
+from worker.instrument.model.prices import Prices
 from worker.instrument.model.providers import GenerationContext, Provider, make_provider
 from worker.instrument.model.retry import RetryPolicy
 from worker.instrument.model.server import ModelSocket, capabilities
@@ -54,17 +51,13 @@ from worker.instrument.records import (
     Provenance,
     cap_stderr,
 )
-from worker.instrument.sandbox import (
-    SandboxResult,
-    kernel_directory,
-    resolve_emacs,
-    run_sandbox,
-    sweep_kernel_dirs,
-)
+from worker.instrument.sandbox import SandboxResult, kernel_directory
 from worker.instrument.settings import InstrumentSettings
 from worker.instrument.spool import Publication, Spool
 from worker.instrument.store import ObservationStore, StoreUnavailable
 
+# What names the provider of a job: ``make_provider``, or a stand-in's in a test.
+ProviderFactory = Callable[[str, str | None, InstrumentSettings, Prices | None], Provider]
 # Two: ``run --local`` of several lineages runs each in turn, and a worker's process
 # rarely meets the same lineage twice in a row; each kept journal costs its size.
 JOURNALS_KEPT = 2
@@ -112,7 +105,12 @@ class Verdict(NamedTuple):
 
 
 class Pipeline:
-    """The per-process generation machinery; build once, run many jobs."""
+    """The per-process generation machinery; build once, run many jobs.
+
+    It probes nothing and starts no process of its own: the host's facts and the
+    sandbox come in (``worker.instrument.host``), found and built where the pipeline is
+    (``worker.fleet.assembly.build_pipeline``).
+    """
 
     def __init__(
         self,
@@ -120,18 +118,23 @@ class Pipeline:
         settings: InstrumentSettings,
         instrument: Instrument,
         instrument_commit: str,
-        ceiling: Ceiling,
+        host: HostFacts,
+        sandbox: Sandbox,
         store: ObservationStore,
         cache: LineageCache,
         spool: Spool,
         throttle: Throttle | None = None,
+        providers: ProviderFactory = make_provider,
     ) -> None:
         """throttle is the cap on calls to each provider that every life's model socket
-        waits for: the fleet's shared one, or by default none."""
+        waits for: the fleet's shared one, or by default none. providers makes a job's
+        provider from its name, model and prices."""
         self.settings = settings
         self.instrument = instrument
         self.instrument_commit = instrument_commit
-        self.ceiling = ceiling
+        self.host = host
+        self.sandbox = sandbox
+        self.providers = providers
         self.store = store
         self.cache = cache
         self.spool = spool
@@ -141,16 +144,6 @@ class Pipeline:
         # blob: a lineage's next generation here reads it from memory instead of
         # inflating and re-hashing the whole journal (5 ms at 10,000 generations).
         self._journals: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
-        self.emacs = resolve_emacs()
-        self.identities = IdentityPool(settings.sandbox_uid_base, settings.sandbox_uid_count)
-        self.identities.probe()
-        self.host = socket.gethostname()
-        # Each probe is a program start (emacs's a tenth of a second): run them at once.
-        with ThreadPoolExecutor(2) as probes:
-            bwrap = probes.submit(_first_line, ["bwrap", "--version"])
-            emacs = probes.submit(_first_line, [str(self.emacs), "--version"])
-            sweep_kernel_dirs()
-            self.bwrap_version, self.emacs_version = bwrap.result(), emacs.result()
 
     def head(self, lineage: str) -> str:
         """The lineage's current head on the shared repository (fetching it)."""
@@ -198,7 +191,7 @@ class Pipeline:
         meta = root_metadata(self.cache, parent, job.lineage)
         check_continuable(meta, self.instrument, self.instrument_commit)
         generation = 1 + self.cache.history(job.lineage, parent).generations
-        provider = make_provider(job.provider, job.model, self.settings, job.prices)
+        provider = self.providers(job.provider, job.model, self.settings, job.prices)
         tree = self.cache.tree(parent)
         blobs: dict[str, bytes] = {}
         kept = self._journals.get(job.lineage)
@@ -225,7 +218,7 @@ class Pipeline:
         label = f"{plan.job.lineage}-{plan.generation}-{digest}"
         started = datetime.now(UTC)
         with (
-            self.identities.hold() as identity,
+            self.host.identities.hold() as identity,
             kernel_directory(self._kernel_files(plan), identity) as kernel,
         ):
             owner = (identity.uid, identity.gid) if identity.drop else None
@@ -238,9 +231,7 @@ class Pipeline:
                 throttle=self.throttle,
                 retry=self.retry,
             ) as model:
-                result = run_sandbox(
-                    kernel, plan.physics, self.ceiling, label, self.emacs, identity
-                )
+                result = self.sandbox.live(kernel, plan.physics, label, identity)
             return Life(
                 result,
                 model.calls,
@@ -340,12 +331,12 @@ class Pipeline:
             run_id=job.run_id,
             model_failure=life.model_failure,
             provenance=Provenance(
-                worker_host=self.host,
+                worker_host=self.host.name,
                 fleet_version=self.instrument.version,
                 instrument_fingerprint=self.instrument.fingerprint,
-                ceiling_driver=self.ceiling.name,
-                bwrap_version=self.bwrap_version,
-                emacs_version=self.emacs_version,
+                ceiling_driver=self.host.ceiling_driver,
+                bwrap_version=self.host.bwrap_version,
+                emacs_version=self.host.emacs_version,
                 task_id=task_id,
                 attempt=attempt,
                 queue_wait_seconds=queue_wait,
@@ -597,11 +588,3 @@ def _shell_status(result: SandboxResult) -> int:
     if result.exit_status is not None:
         return result.exit_status
     return 128 + (result.signal or 9)
-
-
-def _first_line(argv: list[str]) -> str:
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
-    except OSError:
-        return "unknown"
-    return out.splitlines()[0].strip() if out else "unknown"
