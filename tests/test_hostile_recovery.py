@@ -4,7 +4,7 @@ sender, can make a worker's recovery machinery do.
 Each test stages the keys an attacker (anyone who can reach the fleet's Redis) or a
 fault leaves, on a private redis-server (``PrivateRedis``), and runs the worker's own
 code on them: ``markers.release_dead_holders``, the main process's watch loop
-(``worker.fleet.tasks._watch_markers``), the planner's ``submit`` and ``reconcile``, and
+(``worker.fleet.upkeep.watch_markers``), the planner's ``submit`` and ``reconcile``, and
 the scheduler's ``status``. The planner runs on the real repository and file store of
 ``test_fleet_rules``'s rig. The keys of another Redis type than the fleet writes are
 also planted before a real worker (``support.fleet.Worker``) lives the lineage.
@@ -39,7 +39,7 @@ from support.rig import Rig, dead_holder, planner_rig, report
 
 from scheduler.status import Fleet as Scheduler
 from worker.fleet import holders, leases, markers, redis_keys
-from worker.fleet.tasks import _watch_markers
+from worker.fleet.upkeep import watch_markers
 
 # Full tier: a private redis-server and real workers.
 pytestmark = pytest.mark.full
@@ -90,7 +90,7 @@ class Sweeper:
         self.client = client
         self.recovered: list[str] = []
         self.thread = threading.Thread(
-            target=_watch_markers,
+            target=watch_markers,
             args=({}, lambda: self.client, self.recovered.append, 600),
             name="hostile-markers",
             daemon=True,

@@ -11,7 +11,6 @@ Real lives, on bwrap, Emacs and cgroups, stay the proof in test_pipeline.py.
 
 from __future__ import annotations
 
-import io
 import os
 import tarfile
 from collections.abc import Callable, Iterator
@@ -21,13 +20,13 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from support.endings import ended, published
 from support.model import PRICES, UnixHTTPConnection
 
-from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.assembly import lineage_cache
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
 from worker.instrument import journal
-from worker.instrument.ceilings.base import Figures
 from worker.instrument.errors import StaleJob
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import LineageCache
@@ -59,14 +58,6 @@ COMMIT = "a" * 40
 PHYSICS = Physics(wall_seconds=60, cpu_seconds=60)
 LINEAGE = "seam"
 HOST = "stand-in-host"
-FIGURES = Figures(
-    driver="cgroup2",
-    result="exited",
-    cpu_usage_nsec=1_000_000,
-    memory_peak_bytes=1 << 20,
-    oom_kills=0,
-    sources={"cpu_usage_nsec": "stand-in"},
-)
 Files = dict[str, bytes]
 
 
@@ -76,61 +67,6 @@ class OwnIdentity:
     @contextmanager
     def hold(self) -> Iterator[SandboxIdentity]:
         yield SandboxIdentity(os.getuid(), os.getgid(), drop=False)
-
-
-def archive(files: Files) -> bytes:
-    """A result archive as the stage writes one: ``tar -C /work --format=gnu -cf - .``."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        root = tarfile.TarInfo(".")
-        root.type, root.mode = tarfile.DIRTYPE, 0o755
-        tar.addfile(root)
-        for path, data in sorted(files.items()):
-            info = tarfile.TarInfo(f"./{path}")
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
-def published(files: Files) -> SandboxResult:
-    """A life that ended well and left ``files`` in /work."""
-    data = archive(files)
-    return SandboxResult(
-        exit_status=0,
-        signal=None,
-        wall_timeout=False,
-        archive=data,
-        archive_bytes=len(data),
-        archive_overflow=False,
-        stderr=b"",
-        stderr_tail=b"",
-        figures=FIGURES,
-        duration_seconds=0.01,
-    )
-
-
-def died(
-    *,
-    exit_status: int | None = None,
-    signal: int | None = None,
-    wall_timeout: bool = False,
-    result: str = "exited",
-    oom_kills: int = 0,
-    stderr: bytes = b"",
-) -> SandboxResult:
-    """A life that died: the sandbox keeps no archive of it."""
-    return SandboxResult(
-        exit_status=exit_status,
-        signal=signal,
-        wall_timeout=wall_timeout,
-        archive=None,
-        archive_bytes=0,
-        archive_overflow=False,
-        stderr=stderr,
-        stderr_tail=stderr,
-        figures=FIGURES.model_copy(update={"result": result, "oom_kills": oom_kills}),
-        duration_seconds=0.01,
-    )
 
 
 def given_tree(kernel: Path) -> Files:
@@ -236,7 +172,7 @@ def build(tmp_path: Path, providers: Callable[..., Provider] = make_provider) ->
         repository="tests",
         ref="tests",
         cache=cache,
-        store=observation_store(settings),
+        store=store,
     )
     life = StandInLife()
     spool = Spool(tmp_path / "spool")
@@ -328,11 +264,11 @@ def test_a_no_change_generation_commits_only_its_journal_entry(seam: Seam) -> No
 
 
 DEATHS = {
-    "wall": (died(signal=9, wall_timeout=True, result="timeout"), "wall_timeout", 137),
-    "memory": (died(signal=9, result="oom-kill", oom_kills=1), "cgroup_oom", 137),
-    "nonzero-exit": (died(exit_status=3, stderr=b"boom\n"), "process_exit", 3),
+    "wall": (ended(None, 9, wall_timeout=True, result="timeout"), "wall_timeout", 137),
+    "memory": (ended(None, 9, result="oom-kill", oom_kills=1), "cgroup_oom", 137),
+    "nonzero-exit": (ended(3, stderr=b"boom\n"), "process_exit", 3),
     "unpack-failure": (
-        died(exit_status=70, stderr=b"stage: cannot unpack /kernel/base.tar\n"),
+        ended(70, stderr=b"stage: cannot unpack /kernel/base.tar\n"),
         "process_exit",
         70,
     ),
@@ -368,10 +304,8 @@ def test_a_tree_that_cannot_be_unpacked_is_never_given_again(
     """A death after a rollback already holds the rolled-back body: for a life whose stage
     could not unpack its tree (exit 70) that same tree is passed over, and the body comes
     back with the files it lived in (the seed's); any other death keeps the tree."""
-    ended = died(exit_status=exit_status)
-    _, rolled_back, again = seam.run(
-        rewrite_body, lambda k, g: died(exit_status=3), lambda k, g: ended
-    )
+    ending = ended(exit_status)
+    _, rolled_back, again = seam.run(rewrite_body, lambda k, g: ended(3), lambda k, g: ending)
     given = seam.life.given[2]
     assert given == {ORGANISM_PATH: SEED, "notes.txt": b"gen one\n"}
     files = seam.files(again.commit)

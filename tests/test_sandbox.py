@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support.endings import ended
 from support.sandbox import (  # noqa: F401  (fixtures, used by name)
     JOURNAL,
     SMALL,
@@ -30,7 +31,7 @@ from support.sandbox import (  # noqa: F401  (fixtures, used by name)
 )
 
 from worker.fleet.settings import Settings
-from worker.instrument.ceilings import Ceiling, Figures, select_ceiling
+from worker.instrument.ceilings import Ceiling, select_ceiling
 from worker.instrument.ceilings.cgroup1 import Cgroup1Ceiling, Cgroup1Enclosure
 from worker.instrument.ceilings.systemd import SystemdCeiling
 from worker.instrument.errors import Refusal
@@ -417,55 +418,24 @@ def test_resolve_emacs_refuses_when_emacs_is_missing(
 # --- classification -------------------------------------------------------------------------
 
 
-def outcome(
-    exit_status: int | None = 0,
-    signal: int | None = None,
-    *,
-    wall_timeout: bool = False,
-    overflow: bool = False,
-    result: str = "exited",
-    oom_kills: int = 0,
-) -> str | None:
-    figures = Figures(
-        driver="cgroup1",
-        result=result,
-        cpu_usage_nsec=1,
-        memory_peak_bytes=1,
-        oom_kills=oom_kills,
-        sources={},
-    )
-    return SandboxResult(
-        exit_status=exit_status,
-        signal=signal,
-        wall_timeout=wall_timeout,
-        archive=None,
-        archive_bytes=0,
-        archive_overflow=overflow,
-        stderr=b"",
-        stderr_tail=b"",
-        figures=figures,
-        duration_seconds=0.1,
-    ).death()
-
-
 def test_an_oom_kill_outranks_the_signal_it_caused() -> None:
-    assert outcome(137, 9, oom_kills=1) == "cgroup_oom"
-    assert outcome(None, 9, result="oom-kill") == "cgroup_oom"
-    assert outcome(255, oom_kills=1) == "cgroup_oom"
-    assert outcome(137, 9) == "signal"
+    assert ended(137, 9, oom_kills=1).death() == "cgroup_oom"
+    assert ended(None, 9, result="oom-kill").death() == "cgroup_oom"
+    assert ended(255, oom_kills=1).death() == "cgroup_oom"
+    assert ended(137, 9).death() == "signal"
 
 
 def test_a_life_that_ends_well_is_no_death_even_after_a_child_was_oom_killed() -> None:
-    assert outcome(0) is None
-    assert outcome(0, oom_kills=1) is None
+    assert ended(0).death() is None
+    assert ended(0, oom_kills=1).death() is None
 
 
 def test_the_workers_own_verdicts_come_first() -> None:
-    assert outcome(None, 9, wall_timeout=True, oom_kills=1) == "wall_timeout"
-    assert outcome(1, result="timeout") == "wall_timeout"  # systemd's RuntimeMaxSec
-    assert outcome(None, 9, overflow=True) == "decoder_rejection"
-    assert outcome(255, result="signal") == "signal"  # systemd-run reports a signal as 255
-    assert outcome(9) == "process_exit"
+    assert ended(None, 9, wall_timeout=True, oom_kills=1).death() == "wall_timeout"
+    assert ended(1, result="timeout").death() == "wall_timeout"  # systemd's RuntimeMaxSec
+    assert ended(None, 9, overflow=True).death() == "decoder_rejection"
+    assert ended(255, result="signal").death() == "signal"  # systemd-run reports a signal as 255
+    assert ended(9).death() == "process_exit"
 
 
 # --- the systemd driver, end to end through stand-ins -------------------------------------

@@ -1,26 +1,19 @@
 """The worker's Celery app: the generation and reconcile tasks and the worker's start-up.
 
 Owns ``WorkerApp``, which ``worker.celery`` builds once for the app that
-``celery -A worker worker`` runs: the client configuration of ``worker.fleet.app``,
-the queues this worker serves (its own instrument's ``gen.<fingerprint12>`` and the
-control queue), the generation task (validate the payload, check it against its run's
-record, hold the lineage's lease while the pipeline runs, then plan what comes next),
-the reconcile task that beat schedules, the start-up preflight (a working ceiling, the
-observation store of an existing fleet present, the spool drained), the freeze
-of the parent's objects before the pool forks (so the pool children share their
-pages), and the main process's watch over what it holds: the markers of the jobs it
-has fetched (renewed every third of ``lease_seconds`` until each job ends, so a
-worker killed before its pool child starts a job is noticed within
-``lease_seconds``), the jobs whose holder died on this host (released every
-``SWEEP_SECONDS``, so the worker restarted after a kill, or any other on the host,
-frees its predecessor's work and re-enqueues it at once, at the front of its queue),
-its turns at the fleet's reconcile pass (every ``reconcile_interval_seconds``, one
-worker at a time through ``leases.Turn``: no run waits on a reconciler process nobody
-started, and a follow-up a broker outage lost is sent once Redis is back)
-and the observation store (probed with every spool retry; its outages are logged once
-when they start and once when they end). Its Redis clients and its sends wait out a
-broker restart (``redis_keys.OUTLAST_RESTART``, ``PUBLISH_RETRY``): a life that lands
-while Redis restarts releases its lease and sends its follow-up once Redis is back.
+``celery -A worker worker`` runs: the client configuration of ``worker.fleet.app``, the
+queues this worker serves (its own instrument's ``gen.<fingerprint12>`` and the control
+queue), the generation task (validate the payload, check it against its run's record,
+hold the lineage's lease while the pipeline runs, then plan what comes next), the
+reconcile task that beat schedules, the start-up preflight (a working ceiling, the
+observation store of an existing fleet present, the spool drained), the freeze of the
+parent's objects before the pool forks (so the pool children share their pages), and the
+main process's upkeep, started by the preflight and run by ``worker.fleet.upkeep``: the
+markers of the jobs it has fetched renewed, the jobs whose holder died on this host
+released and re-enqueued, its turns at the fleet's reconcile pass, and the spool retried
+with the store probed. Its Redis clients and its sends wait out a broker restart
+(``redis_keys.OUTLAST_RESTART``, ``PUBLISH_RETRY``): a life that lands while Redis
+restarts releases its lease and sends its follow-up once Redis is back.
 
 A thread of its own advertises which model providers this worker can serve and
 re-checks the lineages blocked on its queue (``worker.fleet.capabilities``). A refusal
@@ -46,10 +39,8 @@ import gc
 import logging
 import sys
 import threading
-import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 
@@ -57,12 +48,20 @@ import redis
 from celery import Celery, Task, signals
 from celery.app.task import Context
 from celery.exceptions import CPendingDeprecationWarning
-from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.exceptions import OperationalError
 from pydantic import ValidationError
 
-from worker.fleet import blocks, capabilities, embedded_redis, holders, leases, markers, redis_keys
+from worker.fleet import (
+    blocks,
+    capabilities,
+    embedded_redis,
+    holders,
+    leases,
+    markers,
+    redis_keys,
+    upkeep,
+)
 from worker.fleet.app import (
     CONTROL_QUEUE,
     GENERATION_TASK,
@@ -73,7 +72,6 @@ from worker.fleet.app import (
     unacked_keys,
 )
 from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
-from worker.fleet.outage import Outage, probe
 from worker.fleet.places import require_store_of_fleet
 from worker.fleet.planner import Planner
 from worker.fleet.runs import RunRecord, tampered
@@ -81,14 +79,10 @@ from worker.fleet.settings import Settings
 from worker.fleet.transport import ScreeningAMQP
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
-from worker.instrument.gitrepo import GitError
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.pipeline import Pipeline
 from worker.instrument.store import StoreUnavailable
 
-# How often a worker looks for jobs whose holder died on its host: a few cheap Redis
-# calls, against a lineage otherwise stalled until its marker and lease expire.
-SWEEP_SECONDS = 1.0
 # A worker's sends (follow-ups, recoveries) wait out a broker restart as its Redis
 # clients do (about 12 s); Celery's default gives up after 0.6 s.
 PUBLISH_RETRY = {"max_retries": 14, "interval_start": 0, "interval_step": 0.25, "interval_max": 1}
@@ -292,7 +286,7 @@ class WorkerApp:
             remaining,
         )
         threading.Thread(
-            target=_drain_forever,
+            target=upkeep.drain_forever,
             args=(lambda: self.pipeline, settings),
             name="spool-drain",
             daemon=True,
@@ -301,18 +295,20 @@ class WorkerApp:
         # slow store never holds up the sweep and the markers' renewals.
         recoveries = ThreadPoolExecutor(1, thread_name_prefix="recovery")
         threading.Thread(
-            target=_watch_markers,
+            target=upkeep.watch_markers,
             args=(
                 self.fetched,
                 lambda: self.main_client,
-                lambda lineage: recoveries.submit(_recover, lambda: self.main_planner, lineage),
+                lambda lineage: recoveries.submit(
+                    upkeep.recover, lambda: self.main_planner, lineage
+                ),
                 settings.lease_seconds,
             ),
             name="markers",
             daemon=True,
         ).start()
         threading.Thread(
-            target=_take_turns,
+            target=upkeep.take_turns,
             args=(
                 lambda: self.main_client,
                 lambda keep: recoveries.submit(lambda: self.main_planner.reconcile(keep)).result(),
@@ -331,7 +327,7 @@ class WorkerApp:
                 self.instrument.queue,
                 self.settings,
                 lambda: self.main_client,
-                lambda lineage: _recover(
+                lambda lineage: upkeep.recover(
                     lambda: self.advert_planner, lineage, "once its block was cleared"
                 ),
             ),
@@ -354,7 +350,7 @@ class WorkerApp:
         except (ValidationError, AttributeError):
             return  # the pool child rejects it, with its reasons
         self.fetched[request.id] = job.lineage
-        _keep_marker(self.main_client, job.lineage, request.id, self.settings.lease_seconds)
+        upkeep.keep_marker(self.main_client, job.lineage, request.id, self.settings.lease_seconds)
 
     def quiet_connection_loss(self, **_: object) -> None:
         """Silence Celery's warning at every connection loss that a future release will
@@ -432,107 +428,3 @@ def _after_landing(
         return
     blocks.clear_if_over(client, job.lineage)
     _plan_next(planner, job, report)
-
-
-def _keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
-    try:
-        markers.keep_marker(client, lineage, job_id, ttl_seconds)
-    except redis.RedisError as exc:
-        log.warning("%s: could not renew the marker of %s (%s)", lineage, job_id, exc)
-
-
-def _watch_markers(
-    fetched: dict[str, str],
-    client: Callable[[], redis.Redis],
-    recover: Callable[[str], object],
-    ttl_seconds: int,
-) -> None:
-    """Release and re-enqueue the jobs of dead holders on this host; renew the markers
-    of those fetched here.
-
-    The marker of every job this process still holds is renewed every third of
-    ``ttl_seconds``; a finished one is forgotten.
-    """
-    renewed = time.monotonic()
-    while True:
-        time.sleep(SWEEP_SECONDS)
-        released: list[tuple[str, str]] = []
-        # The broker away: nothing to release now, and the renewals below log it.
-        with contextlib.suppress(redis.RedisError):
-            released = markers.release_dead_holders(client())
-        for lineage, _job_id in released:
-            recover(lineage)
-        if time.monotonic() - renewed < ttl_seconds / 3:
-            continue
-        renewed = time.monotonic()
-        held = {request.id for request in list(worker_state.reserved_requests)}
-        for job_id, lineage in list(fetched.items()):
-            if job_id in held:
-                _keep_marker(client(), lineage, job_id, ttl_seconds)
-            else:
-                fetched.pop(job_id, None)
-
-
-def _recover(
-    planner: Callable[[], Planner], lineage: str, why: str = "after its holder died"
-) -> None:
-    """Enqueue a released (or unblocked) lineage's next job now, at the front of its queue.
-
-    The reconciler would, at its next pass; a duplicate of the dead holder's message,
-    should the broker return it later, is harmlessly stale or busy.
-    """
-    try:
-        if planner().enqueue(lineage, first=True) is not None:
-            log.info("%s: re-enqueued %s", lineage, why)
-    except (StoreUnavailable, redis.RedisError, OperationalError, GitError, Refusal) as exc:
-        log.warning("%s: cannot re-enqueue now (%s); the next reconcile turn will", lineage, exc)
-    except Exception:  # in a pool thread whose future nobody reads: say it, or it is lost
-        log.exception("%s: re-enqueueing failed; the next reconcile turn will", lineage)
-
-
-def _take_turns(
-    client: Callable[[], redis.Redis],
-    reconcile: Callable[[Callable[[], object]], list[str]],
-    interval: float,
-) -> None:
-    """Every ``interval``, ask for the fleet's reconcile turn, and pass when given it.
-
-    Every worker asks, one gets it: the fleet reconciles itself with no other process
-    started, and a worker's follow-up lost to a broker outage of any length is planned
-    again by whichever worker's turn comes first once Redis is back.
-    """
-    broker = Outage("the broker", "reconcile turn", log)
-    turn: leases.Turn | None = None
-    while True:
-        time.sleep(interval)
-        try:
-            turn = turn or leases.Turn(client(), interval)
-            enqueued = reconcile(turn.keep) if turn.take() else []
-        except (redis.RedisError, OperationalError) as exc:
-            broker.failed(exc)
-            continue
-        except (StoreUnavailable, GitError, Refusal) as exc:
-            log.warning("reconcile turn: cannot pass now (%s); the next turn will", exc)
-            continue
-        except Exception:  # a thread nobody joins: say it, and keep taking turns
-            log.exception("reconcile turn failed; the next turn will")
-            continue
-        broker.answered()
-        if enqueued:
-            log.info("reconcile turn: re-enqueued %s", ", ".join(enqueued))
-
-
-def _drain_forever(pipeline: Callable[[], Pipeline], settings: Settings) -> None:
-    store = Outage("the observation store", "worker", log)
-    while True:
-        time.sleep(settings.spool_retry_seconds)
-        try:
-            pipeline().drain()
-            probe(pipeline().store)
-        except StoreUnavailable as exc:
-            store.failed(exc)
-            continue
-        except Exception:  # keep retrying: the spool is the only copy until it lands
-            log.exception("spool drain failed; retrying in %ss", settings.spool_retry_seconds)
-            continue
-        store.answered()

@@ -31,6 +31,12 @@ repository made here and set in an existing one by ``worker.fleet.repo_admin``)
 refuses a non-fast-forward and a deletion, whoever pushes: the fleet's own pushes are
 all fast-forwards or creations.
 
+Over 500 lines for that one job: ``LineageCache`` holds the cache and the shared
+repository open together, and its reads, writes and the compare-and-swap push rest on
+the same invariants (an object present implies all it reaches), which one module keeps
+in one place. Administration (creating the shared repository, hardening an existing
+one) is ``worker.fleet.repo_admin``'s.
+
 Trusts: libgit2, the git binary and the configured remote. Treats every path and
 byte of lineage content as data.
 """

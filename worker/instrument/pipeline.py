@@ -6,7 +6,10 @@ kernel directory, serve the model socket, run the life under the resource
 ceiling), judge (classify the outcome, decode the result or roll back), commit
 (journal entry in fixed words), observe (the trusted record) and publish (spool,
 compare-and-swap push, write-once observation). The Celery task and ``schedule-lineage run --local``
-both call ``Pipeline.run``; nothing else writes to a lineage.
+both call ``Pipeline.run``; nothing else writes to a lineage. Its length (over 500
+lines) is that one job's: the phases share one ``Plan``, and much of it is the reasons
+for the rollback and the judging, kept beside the code they explain. The host's facts
+and the sandbox are given to it (``worker.instrument.host``), so it probes nothing.
 
 Trusts: the instrument it was built with, its settings, the shared repository and
 the observation store. Trusts nothing the organism produced: the result archive
