@@ -34,8 +34,8 @@ from worker.instrument.decoder import (
     TreeEntry,
     decode_archive,
 )
-from worker.instrument.path_rules import is_dotgit, is_gitattributes, is_gitmodules
 from worker.instrument.names import KERNEL_OWNED
+from worker.instrument.path_rules import is_dotgit, is_gitattributes, is_gitmodules
 from worker.instrument.physics import Physics
 
 T = TypeVar("T")
