@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from support.fleet import Fleet
 
+pytestmark = pytest.mark.full
+
 _GIT_ID = ["-c", "user.name=t", "-c", "user.email=t@example.invalid"]
 
 

@@ -18,6 +18,8 @@ from playwright.sync_api import sync_playwright
 from support.browse import Served, settings_of, write_hostile_lineage
 from support.fleet import Fleet
 
+pytestmark = pytest.mark.full
+
 # "evil\u202e" shows the rest right to left; "\x9b31m" is CSI 31 m (red) on xterm.
 BIDI = "gnp.\u202etxt.el \u2067iso\u2069 csi\x9b31m red"
 RAW = ("\u202e", "\u2067", "\u2069", "\x9b")
