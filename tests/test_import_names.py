@@ -57,12 +57,10 @@ def _bundle(repo: Path) -> Path:
 
 
 def _refused(fleet: Fleet, *args: str) -> str:
-    result = fleet.cli(*args)
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "\x1b" not in result.stderr and "\u202e" not in result.stderr
-    return lines[0]
+    """The refusal's one line, which shows the hostile name escaped, never raw."""
+    line = fleet.refused(*args)
+    assert "\x1b" not in line and "\u202e" not in line and "\n" not in line
+    return line
 
 
 def _stored(fleet: Fleet) -> tuple[str, str]:
