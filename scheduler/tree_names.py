@@ -1,9 +1,9 @@
 """The decoder's name rules on trees made outside the fleet: what ``import-bundle`` and
 ``fork`` ask before a tree enters the shared repository as a lineage.
 
-Owns walking git trees by their raw entry names and reporting the first one that
-``path_rules`` (the rules every life's result obeys) refuses, with the path it lies at
-and the reason, escaped for a one-line message. A lineage imported or forked with an
+Owns walking git trees by their raw entry names (and symlink targets) and reporting the
+first one that ``path_rules`` (the rules every life's result obeys) refuses, with the
+path it lies at and the reason, escaped for a one-line message. A lineage imported or forked with an
 ESC, a newline, a bidi override or a look-alike in a name would keep it through every
 rollback commit, and every reader would show it.
 
@@ -16,13 +16,14 @@ from collections.abc import Iterable
 
 import pygit2
 
-from worker.instrument.path_rules import tree_name_problem
+from worker.instrument.path_rules import target_problem, tree_name_problem
 
 _TREE_MODE = 0o040000
+_SYMLINK_MODE = 0o120000
 
 
 def refused_name(repo: pygit2.Repository, roots: Iterable[pygit2.Tree]) -> str | None:
-    """The first name under ``roots`` the decoder's rules refuse, as
+    """The first name or symlink target under ``roots`` the decoder's rules refuse, as
     "'PATH': REASON", or None when every name passes. Each tree is read once, however
     many commits share it."""
     seen: set[pygit2.Oid] = set()
@@ -37,6 +38,8 @@ def refused_name(repo: pygit2.Repository, roots: Iterable[pygit2.Tree]) -> str |
             name = item.raw_name or b""
             path = prefix + name
             problem = tree_name_problem(name)
+            if problem is None and item.filemode == _SYMLINK_MODE:
+                problem = target_problem(repo[item.id].peel(pygit2.Blob).data)
             if problem is not None:
                 return f"{_shown(path)}: {problem}"
             if item.filemode == _TREE_MODE:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from support.fleet import Fleet
@@ -26,19 +27,31 @@ def _git(repo: Path, *args: str, input: bytes | None = None) -> str:
     return done.stdout.decode().strip()
 
 
-def _tree(repo: Path, entries: dict[str, bytes | dict[str, bytes]]) -> str:
-    """A tree of ``entries`` (name -> content, or name -> subtree), names recorded as is."""
+class Link(NamedTuple):
+    """A symlink entry and its target, recorded as is."""
+
+    target: str
+
+
+Entries = dict[str, "bytes | Link | Entries"]
+
+
+def _tree(repo: Path, entries: Entries) -> str:
+    """A tree of ``entries`` (name -> content, link or subtree), names recorded as is."""
     lines = []
     for name, content in entries.items():
         if isinstance(content, dict):
             lines.append(f"040000 tree {_tree(repo, content)}\t{name}")
+        elif isinstance(content, Link):
+            blob = _git(repo, "hash-object", "-w", "--stdin", input=content.target.encode())
+            lines.append(f"120000 blob {blob}\t{name}")
         else:
             blob = _git(repo, "hash-object", "-w", "--stdin", input=content)
             lines.append(f"100644 blob {blob}\t{name}")
     return _git(repo, "mktree", "-z", input="".join(f"{line}\0" for line in lines).encode())
 
 
-def _recording(tmp_path: Path, *trees: dict[str, bytes | dict[str, bytes]]) -> Path:
+def _recording(tmp_path: Path, *trees: Entries) -> Path:
     """A repository whose branch main is one commit per tree, oldest first."""
     repo = tmp_path / "recording"
     subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], check=True)
@@ -133,6 +146,16 @@ def test_import_bundle_still_takes_a_bundle_of_legible_names(fleet: Fleet, tmp_p
     fleet.ok("import-bundle", str(_bundle(recording)), "imported")
     listed = fleet.git("ls-tree", "-r", "--name-only", "-z", "lineage-imported").split("\0")
     assert sorted(listed[:-1]) == ["organism.el", "é.el", "ノート/a b.txt"]
+
+
+def test_import_bundle_refuses_a_symlink_target_the_decoder_refuses(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    recording = _recording(tmp_path, {"organism.el": BODY, "l": Link("real\u202e.el")})
+    before = _stored(fleet)
+    line = _refused(fleet, "import-bundle", str(_bundle(recording)), "imported")
+    assert "'l': U+202E RIGHT-TO-LEFT OVERRIDE in the symlink target" in line
+    assert _stored(fleet) == before
 
 
 @pytest.mark.parametrize(("name", "reason"), HOSTILE)

@@ -44,8 +44,6 @@ from worker.instrument.names import KERNEL_OWNED, ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.tar_reader import ArchiveRefused, TarMember, read_members
 
-# Bytes in a path or a symlink target (Linux PATH_MAX less its NUL).
-_PATH_MAX = 4095
 # Components in a path. Extraction holds one directory descriptor per level, so the
 # depth has to be bounded well below the descriptor limit of a worker process.
 _DEPTH_MAX = 128
@@ -237,8 +235,8 @@ def _admit(
             data=header.data,
             target=None,
         )
-    target = _utf8(header.linkname, "the symlink target")
-    _check_target(target)
+    _check(path_rules.target_problem(header.linkname))
+    target = header.linkname.decode()
     return PlannedEntry(
         parts=parts,
         kind="symlink",
@@ -260,8 +258,8 @@ def _path_parts(name: str, kind: str) -> tuple[str, ...]:
     _check(path_rules.legibility_problem(name, "the name"))
     if name.startswith("/"):
         raise _Broken("absolute path")
-    if len(name.encode()) > _PATH_MAX:
-        raise _Broken(f"path longer than {_PATH_MAX} bytes")
+    if len(name.encode()) > path_rules.PATH_MAX:
+        raise _Broken(f"path longer than {path_rules.PATH_MAX} bytes")
     parts = name.split("/")
     if kind == "dir" and len(parts) > 1 and parts[-1] == "":
         parts.pop()  # ustar writes directory names with a trailing slash
@@ -276,18 +274,6 @@ def _path_parts(name: str, kind: str) -> tuple[str, ...]:
     if parts and parts[0] in KERNEL_OWNED:
         raise _Broken(f"{parts[0]!r} is kernel-owned; the kernel writes it, never the organism")
     return tuple(parts)
-
-
-def _check_target(target: str) -> None:
-    """A target is stored verbatim, absolute or climbing; it only has to be storable."""
-    if not target:
-        raise _Broken("empty symlink target")
-    if "\0" in target:
-        raise _Broken("NUL in the symlink target")
-    # git log -p and the web UI show a target as text, to a person.
-    _check(path_rules.legibility_problem(target, "the symlink target"))
-    if len(target.encode()) > _PATH_MAX:
-        raise _Broken(f"symlink target longer than {_PATH_MAX} bytes")
 
 
 def _check(problem: str | None) -> None:

@@ -33,6 +33,8 @@ from bisect import bisect_right
 
 # Bytes in one path component (Linux NAME_MAX): a longer one cannot be created.
 NAME_MAX = 255
+# Bytes in a path or a symlink target (Linux PATH_MAX less its NUL).
+PATH_MAX = 4095
 
 # Names git refuses to record (read-cache.c verify_path with core.protectNTFS, on by
 # default everywhere, and core.protectHFS, on by default on macOS). `git update-index`
@@ -179,6 +181,25 @@ def tree_name_problem(name: bytes) -> str | None:
     except UnicodeDecodeError:
         return "the name is not valid UTF-8"
     return component_problem(part) or gitmodules_problem(part)
+
+
+def target_problem(target: bytes) -> str | None:
+    """Why a symlink target (raw bytes, as an archive or git stores it) is refused, or
+    None. A target is stored verbatim, absolute or climbing; it only has to be storable
+    and legible: git log -p and the web UI show it as text, to a person."""
+    try:
+        text = target.decode("utf-8")
+    except UnicodeDecodeError:
+        return "the symlink target is not valid UTF-8"
+    if not text:
+        return "empty symlink target"
+    if "\0" in text:
+        return "NUL in the symlink target"
+    if (problem := legibility_problem(text, "the symlink target")) is not None:
+        return problem
+    if len(target) > PATH_MAX:
+        return f"symlink target longer than {PATH_MAX} bytes"
+    return None
 
 
 def is_dotgit(part: str) -> bool:
