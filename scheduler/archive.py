@@ -14,13 +14,16 @@ read: a gzip-compressed tar of regular files with fixed names and nothing else::
 Reading treats the archive as hostile: a member that is not a regular file (a
 symlink, a hard link, a directory, a device), whose name is not one of the names
 above (so no absolute path, no ``..``, nothing outside the unpacking directory), a
-name given twice, more members or bytes than the bounds below (or than the scratch
-filesystem can hold with a reserve left free: a gzip bomb), an extended header
+name given twice, more members or bytes than the bounds below, an extended header
 (pax, GNU long name) over 64 KiB, which tarfile would read whole, or anything but a
-gzip tar is refused with one line before any of it is used. Members are written
-only under names this module computes, in a private directory, without following
-links. The manifest is validated with pydantic. Nothing here runs git: the bundle
-is only bytes until ``scheduler.verify`` opens it in a scratch repository.
+gzip tar is refused with one line before any of it is used. The archive is read
+twice: first to check and sum every member, writing nothing (the manifest is held in
+memory), then to write only the members whose sum the manifest lists, so a gzip bomb
+is refused having written nothing, and a member that matches its sum stops at the
+free-space reserve. Members are written only under names this module computes, in a
+private directory, without following links. The manifest is validated with pydantic.
+Nothing here runs git: the bundle is only bytes until ``scheduler.verify`` opens it in a
+scratch repository.
 
 Trusts: nothing in the archive.
 """
@@ -33,17 +36,19 @@ import os
 import re
 import tarfile
 import tempfile
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Final, Literal, Self
+from typing import Final, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from worker.instrument.errors import Refusal
 from worker.instrument.fields import LineageName
 from worker.instrument.names import COMMIT_PATTERN
+
+T = TypeVar("T")
 
 SCHEMA: Final = "ouroboros-lineage-archive/v1"
 MANIFEST = "manifest.json"
@@ -62,13 +67,13 @@ MAX_MANIFEST_BYTES = 256 * 1024**2
 MAX_BUNDLE_BYTES = 16 * 1024**3
 MAX_TOTAL_BYTES = 64 * 1024**3
 _CHUNK = 1024 * 1024
-# The bounds above are far larger than the disk under a scratch directory may be, and a
-# gzip bomb reaches them from a few megabytes: unpacking stops, refused, while this much
-# of the scratch filesystem is still free (5% of it, between 16 MiB and 1 GiB), so a
-# hostile archive never fills the disk other processes write to.
+# The bounds above are far larger than the disk under a scratch directory may be. A
+# member is written only once the manifest vouches for its sum, and even then writing
+# stops, refused, while this much of the scratch filesystem is still free (5% of it, as
+# docs/design.md states, and never less than 16 MiB), so no archive fills the disk other
+# processes write to.
 FREE_SHARE = 0.05
 MIN_FREE_BYTES = 16 * 1024**2
-MAX_FREE_BYTES = 1024**3
 
 # tarfile reads an extended header (pax, GNU long name) whole, before the member it
 # describes can be judged; an export's members need a few hundred bytes of one at most.
@@ -210,52 +215,153 @@ class _BoundedTarInfo(tarfile.TarInfo):
 
 @dataclass(frozen=True)
 class Unpacked:
-    """An archive's members in a private directory: member name -> file."""
+    """An archive read in two passes: its manifest, the sum of every member, and the
+    members written to a private directory (only those whose sum the manifest lists)."""
 
     directory: Path
-    members: dict[str, Path]
+    manifest: bytes | None  # held in memory, never written
+    sums: dict[str, str]  # member name -> sha256, of every member but the manifest
+    members: dict[str, Path]  # member name -> file, for each member its manifest vouches for
 
     def read(self, name: str) -> bytes | None:
+        if name == MANIFEST:
+            return self.manifest
         path = self.members.get(name)
         return path.read_bytes() if path is not None else None
 
 
+@dataclass
+class _Survey:
+    """What the first pass found: the manifest's bytes, and each member's sum and size."""
+
+    manifest: bytes | None = None
+    sums: dict[str, str] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
 def unpack(archive: Path, into: Path) -> Unpacked:
-    """Every member of ``archive`` into ``into`` (empty, private); a Refusal if hostile."""
+    """``archive`` checked, then the members its manifest vouches for written into
+    ``into`` (empty, private); a Refusal if it is hostile.
+
+    Two passes over the archive, so that nothing is written before the manifest's sums
+    are checked: the first reads every member without writing any (framing, names,
+    types, bounds, and the sha256 of each; the manifest kept in memory), the second
+    writes only the members whose sum the manifest lists, hashing them again as they
+    are written (an archive changed between the passes is refused). A gzip bomb thus
+    costs the reading of it, not the disk; a member that matches its sum and is still
+    too large for the scratch filesystem is refused by the free-space reserve.
+    """
+    survey = _read(archive, lambda tar: _survey(archive, tar))
+    vouched = _vouched(survey)
+    members: dict[str, Path] = {}
+    if vouched:
+        _read(archive, lambda tar: _write(archive, tar, into, survey, vouched, members))
+    return Unpacked(into, survey.manifest, survey.sums, members)
+
+
+def _read(archive: Path, step: Callable[[tarfile.TarFile], T]) -> T:
+    """``step`` over the archive opened as a stream of members; a Refusal if unreadable."""
     try:
         handle = archive.open("rb")
     except OSError as exc:
         raise Refusal(
             f"cannot read {archive}: {exc.strerror}; pass an archive made by export"
         ) from None
-    members: dict[str, Path] = {}
-    total = 0
     with handle:
         try:
             # Stream mode: members are read once, in order, and no index of them is kept.
             with tarfile.open(fileobj=handle, mode="r|gz", tarinfo=_BoundedTarInfo) as tar:
-                for member in tar:
-                    total += _unpack_member(archive, tar, member, into, members)
-                    if len(members) > MAX_MEMBERS or total > MAX_TOTAL_BYTES:
-                        raise Refusal(
-                            f"{archive} holds more than {MAX_MEMBERS} members or "
-                            f"{MAX_TOTAL_BYTES} bytes; it is not an archive export makes"
-                        )
+                return step(tar)
         except (tarfile.TarError, EOFError, OSError, UnicodeDecodeError) as exc:
             raise Refusal(
                 f"{archive} is not a readable lineage archive ({type(exc).__name__}: {exc}); "
                 "pass an archive made by schedule-lineage export"
             ) from None
-    return Unpacked(into, members)
 
 
-def _unpack_member(
+def _survey(archive: Path, tar: tarfile.TarFile) -> _Survey:
+    """The first pass: every member checked and summed, nothing written."""
+    survey = _Survey()
+    total = 0
+    for member in tar:
+        name = _admit(archive, member, survey.sizes)
+        digest = hashlib.sha256()
+        kept = bytearray() if name == MANIFEST else None
+        size = 0
+        for chunk in _chunks(tar, member):
+            size += len(chunk)
+            if size > _limit(name):
+                raise Refusal(f"{archive}: member {name} is over {_limit(name)} bytes")
+            digest.update(chunk)
+            if kept is not None:
+                kept += chunk
+        survey.sizes[name] = size
+        if kept is not None:
+            survey.manifest = bytes(kept)
+        else:
+            survey.sums[name] = digest.hexdigest()
+        total += size
+        if len(survey.sizes) > MAX_MEMBERS or total > MAX_TOTAL_BYTES:
+            raise Refusal(
+                f"{archive} holds more than {MAX_MEMBERS} members or "
+                f"{MAX_TOTAL_BYTES} bytes; it is not an archive export makes"
+            )
+    return survey
+
+
+def _vouched(survey: _Survey) -> set[str]:
+    """The members whose sum the manifest lists; none without a valid manifest."""
+    if survey.manifest is None:
+        return set()
+    try:
+        listed = Manifest.model_validate_json(survey.manifest).files
+    except ValidationError:
+        return set()
+    return {name for name, digest in survey.sums.items() if listed.get(name) == digest}
+
+
+def _write(
     archive: Path,
     tar: tarfile.TarFile,
-    member: tarfile.TarInfo,
     into: Path,
+    survey: _Survey,
+    vouched: set[str],
     members: dict[str, Path],
-) -> int:
+) -> None:
+    """The second pass: the vouched members written, each hashed again as it is."""
+    for member in tar:
+        name = member.name
+        if name not in vouched:
+            continue
+        if name in members:
+            raise _changed(archive)
+        target = into / name
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        digest = hashlib.sha256()
+        written = 0
+        with os.fdopen(fd, "wb") as out:
+            for chunk in _chunks(tar, member):
+                written += len(chunk)
+                if written > survey.sizes[name]:
+                    raise _changed(archive)
+                _keep_free(archive, name, into, out.fileno(), len(chunk))
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != survey.sums[name]:
+            raise _changed(archive)
+        members[name] = target
+    if members.keys() != vouched:
+        raise _changed(archive)
+
+
+def _changed(archive: Path) -> Refusal:
+    return Refusal(f"{archive} changed while it was read; pass an archive nothing writes to")
+
+
+def _admit(archive: Path, member: tarfile.TarInfo, seen: dict[str, int]) -> str:
+    """The member's name, once it is a regular file of a name an export writes, given
+    once, within its size bound."""
     name = member.name
     if not member.isreg():
         raise Refusal(f"{archive}: member {name!r} is not a regular file; refusing the archive")
@@ -263,36 +369,33 @@ def _unpack_member(
         raise Refusal(
             f"{archive}: member {name!r} is not a name an export writes; refusing the archive"
         )
-    if name in members:
+    if name in seen:
         raise Refusal(f"{archive}: member {name!r} appears twice; refusing the archive")
-    limit = _limit(name)
-    if member.size > limit:
-        raise Refusal(f"{archive}: member {name} has {member.size} bytes, over {limit}")
+    if member.size > _limit(name):
+        raise Refusal(f"{archive}: member {name} has {member.size} bytes, over {_limit(name)}")
+    return name
+
+
+def _chunks(tar: tarfile.TarFile, member: tarfile.TarInfo) -> Iterator[bytes]:
     source = tar.extractfile(member)
     assert source is not None  # a regular file always has data
-    target = into / name
-    target.parent.mkdir(mode=0o700, exist_ok=True)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    written = 0
-    with os.fdopen(fd, "wb") as out:
-        while chunk := source.read(_CHUNK):
-            written += len(chunk)
-            if written > limit:
-                raise Refusal(f"{archive}: member {name} is over {limit} bytes")
-            _keep_free(archive, name, into, out.fileno(), len(chunk))
-            out.write(chunk)
-    members[name] = target
-    return written
+    while chunk := source.read(_CHUNK):
+        yield chunk
+
+
+def reserve_bytes(filesystem_bytes: int) -> int:
+    """What unpacking leaves free on a scratch filesystem of this size."""
+    return max(int(filesystem_bytes * FREE_SHARE), MIN_FREE_BYTES)
 
 
 def _keep_free(archive: Path, name: str, into: Path, fd: int, size: int) -> None:
     """Refuse before writing ``size`` more bytes would eat into the scratch reserve."""
     fs = os.fstatvfs(fd)
-    reserve = min(max(fs.f_blocks * fs.f_frsize * FREE_SHARE, MIN_FREE_BYTES), MAX_FREE_BYTES)
+    reserve = reserve_bytes(fs.f_blocks * fs.f_frsize)
     free = fs.f_bavail * fs.f_frsize
     if free - size < reserve:
         raise Refusal(
-            f"{archive}: unpacking member {name} would leave less than {int(reserve)} bytes "
+            f"{archive}: unpacking member {name} would leave less than {reserve} bytes "
             f"free on the filesystem of {into} ({free} free); free some room or point TMPDIR "
             "at a larger filesystem"
         )

@@ -12,7 +12,9 @@ generation, and the parent's instrument fingerprint, version and commit).
 A death's commit already holds the tree its rollback restored, so forking a death
 forks that body, and the caller says so. The fork's physics are the parent's
 pinned physics (the defaults for a parent without any, such as an imported
-lineage), each overridable by ``init``'s options. The parent is only read: its
+lineage), each overridable by ``init``'s options. Every name of the source tree must
+pass the rules a life's result obeys (``tree_names``), or the fork is refused naming
+it: the new lineage's lives would carry it, and every reader show it. The parent is only read: its
 branch, objects and records are left exactly as they were.
 
 Trusts: the scheduler's lineage cache and the instrument. Treats the parent's
@@ -25,7 +27,10 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import pygit2
+
 from scheduler.history import parse_subject
+from scheduler.tree_names import refused_name
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.lineage import LineageMetadata, Parentage, check_name, parse_metadata
@@ -127,6 +132,12 @@ def seed_of(cache: LineageCache, source: Source, physics: Physics) -> Seed:
         raise Refusal(
             f"{source.lineage}@{source.generation} ({source.commit[:12]}) has no regular "
             f"{ORGANISM_PATH}; fork another generation"
+        )
+    refused = refused_name(cache.repo, [cache.repo[source.commit].peel(pygit2.Commit).tree])
+    if refused is not None:
+        raise Refusal(
+            f"{source.lineage}@{source.generation} ({source.commit[:12]}) holds a name no "
+            f"life could publish: {refused}; fork another generation"
         )
     files = {p: e for p, e in tree.items() if p != METADATA_PATH}
     found = cache.footprint(files)

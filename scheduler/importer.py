@@ -13,7 +13,10 @@ a bundle runs no object checks of its own: git's unbundle ignores
 ``fetch.fsckObjects``), so a corrupt object, or a tree git itself would refuse to
 check out (``.git``, ``..``, a name holding "/", a ``.gitmodules`` symlink) or would
 never write (a zero-padded mode), is refused before anything reaches the shared
-repository. Its checked objects enter that repository only through a temporary ref
+repository. Every name in every tree of its history must then pass the rules a life's
+result obeys (``tree_names``: no control, bidi, invisible or look-alike character, no
+name git reads as .git or .gitmodules), or the bundle is refused naming the path and the
+character. Its checked objects enter that repository only through a temporary ref
 that is removed again.
 """
 
@@ -24,6 +27,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import pygit2
+
+from scheduler.tree_names import history_trees, refused_name
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import branch_ref, is_local, local_path, run_git
@@ -63,6 +69,13 @@ def import_bundle(bundle: Path, name: str, repo_url: str) -> str:
         )
         if run_git(scratch, "cat-file", "-e", f"{tip}:{ORGANISM_PATH}", check=False).returncode:
             raise Refusal(f"{bundle} is not a lineage: its branch has no {ORGANISM_PATH}")
+        checked = pygit2.Repository(str(scratch))
+        refused = refused_name(checked, history_trees(checked, tip))
+        if refused is not None:
+            raise Refusal(
+                f"{bundle} holds a name no life could publish: {refused} "
+                "(rename it in every commit, e.g. with git filter-repo, and bundle again)"
+            )
         run_git(
             repo,
             "fetch",

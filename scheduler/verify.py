@@ -14,7 +14,8 @@ by its id, and every run an observation names is there.
 
 Trusts: the git binary (run with no hooks, no configuration of this machine, and
 fsck --strict on every object fetched). Treats the archive as hostile: unpacking is
-``scheduler.archive``'s, and every record is validated with pydantic before use.
+``scheduler.archive``'s, which sums every member before writing any and writes only
+those the manifest vouches for, and every record is validated with pydantic before use.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from scheduler.archive import (
     generation_member,
     generation_of,
     run_member,
-    sha256_file,
     unpack,
 )
 from scheduler.importer import fetch_checked, last_line
@@ -103,17 +103,18 @@ def _fresh(path: Path) -> Path:
 
 
 def _check_sums(checked: Checked, manifest: Manifest) -> None:
-    members = checked.unpacked.members
+    """The sums taken while the archive was read, against the manifest's. A member that
+    fails its sum was never written, so every later check finds it missing too."""
+    sums = checked.unpacked.sums
     for name, expected in sorted(manifest.files.items()):
-        path = members.get(name)
-        if path is None:
+        actual = sums.get(name)
+        if actual is None:
             checked.add(f"missing: {name} is listed in the manifest but not in the archive")
             continue
-        actual = sha256_file(path)
         if actual != expected:
             checked.add(f"sum: {name} has sha256 {actual}, the manifest says {expected}")
-    for name in sorted(members):
-        if name != MANIFEST and name not in manifest.files:
+    for name in sorted(sums):
+        if name not in manifest.files:
             checked.add(f"extra: {name} is in the archive but not in the manifest")
     for required in (BUNDLE, METADATA):
         if required not in manifest.files:

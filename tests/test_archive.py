@@ -549,32 +549,125 @@ class _Zeros(io.RawIOBase):
         return len(buffer)
 
 
-@pytest.mark.root
-def test_a_gzip_bomb_is_refused_before_it_fills_the_scratch_filesystem(tmp_path: Path) -> None:
-    """512 MiB of zeros in half a megabyte, unpacked on a private 128 MiB tmpfs (a mount
-    namespace of the test's own: nothing of the host is mounted or filled)."""
-    bomb = tmp_path / "bomb.tgz"
-    with tarfile.open(bomb, "w:gz", compresslevel=1) as tar:
+def _bomb(path: Path, size: int, listed_sum: str | None = None) -> Path:
+    """An archive whose lineage.bundle is ``size`` zero bytes, behind a valid manifest
+    that lists it with ``listed_sum`` (by default its true sum)."""
+    if listed_sum is None:
+        digest, zeros, left = hashlib.sha256(), bytes(1024**2), size
+        while left:
+            digest.update(zeros[: min(left, len(zeros))])
+            left -= min(left, len(zeros))
+        listed_sum = digest.hexdigest()
+    manifest = archive_format.Manifest(
+        lineage="bomb",
+        head="a" * 40,
+        generations=0,
+        unobserved=[],
+        exported_at=datetime(2026, 3, 1, tzinfo=UTC),
+        exported_by="a test",
+        files={"lineage.bundle": listed_sum},
+    ).to_json()
+    with tarfile.open(path, "w:gz", compresslevel=9) as tar:
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
         info = tarfile.TarInfo("lineage.bundle")
-        info.size = 512 * 1024**2
+        info.size = size
         tar.addfile(info, _Zeros())
-    assert bomb.stat().st_size < 4 * 1024**2
-    fleet, scratch = Fleet(tmp_path), tmp_path / "scratch"
+    return path
+
+
+def _on_tmpfs(
+    fleet: Fleet, scratch: Path, size: str, *command: str
+) -> subprocess.CompletedProcess[str]:
+    """``command`` with TMPDIR on a private tmpfs of ``size`` (a mount namespace of the
+    test's own: nothing of the host is mounted or filled)."""
     scratch.mkdir()
-    command = (
-        f"mount -t tmpfs -o size=128m ouroboros-test {scratch} && "
-        f"exec {sys.executable} -m scheduler import {bomb}"
-    )
-    result = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
+    script = f'mount -t tmpfs -o size={size} ouroboros-test {scratch} && exec "$@"'
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *command],
         env={**fleet.env, "TMPDIR": str(scratch)},
         cwd=fleet.home,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+# Reports what check() found, the bytes of members it wrote, and what the whole tmpfs
+# holds (the members and check's empty scratch repository): nothing else writes there.
+_MEASURE = """
+import json, os, sys
+from pathlib import Path
+from scheduler.verify import check
+scratch = Path(os.environ["TMPDIR"]) / "check"
+scratch.mkdir()
+checked = check(Path(sys.argv[1]), scratch)
+members = scratch / "members"
+written = sum(p.stat().st_size for p in members.rglob("*") if p.is_file())
+vfs = os.statvfs(scratch)
+used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+print(json.dumps({"problems": checked.problems, "written": written, "used": used}))
+"""
+
+
+@pytest.mark.root
+def test_a_gzip_bomb_is_refused_having_written_nothing(tmp_path: Path) -> None:
+    """1 GiB of zeros in about a megabyte, its sum not the manifest's: every member is
+    summed before any is written, so the bomb costs its reading, not the disk. On a
+    16 MiB tmpfs, writing it would have been refused by the reserve instead."""
+    bomb = _bomb(tmp_path / "bomb.tgz", 1024**3, listed_sum="0" * 64)
+    assert bomb.stat().st_size < 2 * 1024**2
+    fleet = Fleet(tmp_path)
+    measured = _on_tmpfs(
+        fleet, tmp_path / "scratch", "16m", sys.executable, "-c", _MEASURE, str(bomb)
+    )
+    assert measured.returncode == 0, measured.stderr
+    found = json.loads(measured.stdout)
+    assert found["written"] == 0
+    assert found["used"] < 256 * 1024  # an empty git repository and directories
+    assert [p for p in found["problems"] if p.startswith("sum: lineage.bundle has sha256 ")]
+    for command, status in (("verify", 1), ("import", 2)):
+        result = _on_tmpfs(
+            fleet,
+            tmp_path / f"scratch-{command}",
+            "16m",
+            sys.executable,
+            "-m",
+            "scheduler",
+            command,
+            str(bomb),
+        )
+        assert result.returncode == status, result.stderr
+        assert "problem: sum: lineage.bundle has sha256 " in result.stderr
+        assert "would leave less than" not in result.stderr
+        assert "Traceback" not in result.stderr
+    assert not fleet.repo.exists() or fleet.git("for-each-ref") == ""
+
+
+@pytest.mark.root
+def test_a_bomb_its_manifest_vouches_for_stops_at_the_reserve(tmp_path: Path) -> None:
+    """512 MiB of zeros whose sum the manifest does list is written, and stops with 5%
+    of a private 128 MiB tmpfs (at least 16 MiB) still free."""
+    bomb = _bomb(tmp_path / "bomb.tgz", 512 * 1024**2)
+    assert bomb.stat().st_size < 4 * 1024**2
+    fleet = Fleet(tmp_path)
+    result = _on_tmpfs(
+        fleet, tmp_path / "scratch", "128m", sys.executable, "-m", "scheduler", "import", str(bomb)
+    )
     assert result.returncode == 2, result.stderr
-    assert "unpacking member lineage.bundle would leave less than" in result.stderr
+    reserve = archive_format.reserve_bytes(128 * 1024**2)
+    assert f"unpacking member lineage.bundle would leave less than {reserve} bytes" in (
+        result.stderr
+    )
     assert "point TMPDIR at a larger filesystem" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not fleet.repo.exists() or fleet.git("for-each-ref") == ""
+
+
+def test_the_reserve_is_five_percent_of_the_filesystem_however_large() -> None:
+    """As docs/design.md states: 5% of the scratch filesystem, never less than 16 MiB,
+    and not capped (a 1 TiB scratch disk keeps 51 GiB free)."""
+    assert archive_format.reserve_bytes(1024**4) == int(1024**4 * 0.05)
+    assert archive_format.reserve_bytes(100 * 1024**3) == 5 * 1024**3
+    assert archive_format.reserve_bytes(64 * 1024**2) == 16 * 1024**2

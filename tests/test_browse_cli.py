@@ -31,14 +31,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
     return fleet
 
 
-def _refused(fleet: Fleet, *args: str) -> str:
-    result = fleet.cli(*args)
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
-
-
 def test_import_makes_the_bundle_branch_a_lineage_branch(fleet: Fleet, tmp_path: Path) -> None:
     # The recording is deterministic, so a second one names the very commit imported.
     assert fleet.git("rev-parse", "lineage-sample").strip() == (
@@ -53,14 +45,14 @@ def test_import_makes_the_bundle_branch_a_lineage_branch(fleet: Fleet, tmp_path:
 
 def test_import_refusals_are_one_line_with_exit_2(fleet: Fleet, tmp_path: Path) -> None:
     bundle = sample_bundle(fleet.home)
-    assert "already exists" in _refused(fleet, "import-bundle", str(bundle), "sample")
+    assert "already exists" in fleet.refused("import-bundle", str(bundle), "sample")
     for bad_name in ("../escape", "Upper", "x\n", ""):
-        assert "invalid lineage name" in _refused(fleet, "import-bundle", str(bundle), bad_name)
+        assert "invalid lineage name" in fleet.refused("import-bundle", str(bundle), bad_name)
     garbage = tmp_path / "garbage.bundle"
     garbage.write_bytes(b"# v2 git bundle\nnot really\n")
-    assert "not a complete git bundle" in _refused(fleet, "import-bundle", str(garbage), "g")
-    assert "cannot read bundle" in _refused(
-        fleet, "import-bundle", str(tmp_path / "missing.bundle"), "m"
+    assert "not a complete git bundle" in fleet.refused("import-bundle", str(garbage), "g")
+    assert "cannot read bundle" in fleet.refused(
+        "import-bundle", str(tmp_path / "missing.bundle"), "m"
     )
     # Two branches with different tips are two lineages, not one.
     clone = tmp_path / "clone"
@@ -71,7 +63,7 @@ def test_import_refusals_are_one_line_with_exit_2(fleet: Fleet, tmp_path: Path) 
         ["git", "-C", str(clone), "bundle", "create", "-q", str(two), "main", "other"],
         check=True,
     )
-    assert "2 branch tips" in _refused(fleet, "import-bundle", str(two), "two")
+    assert "2 branch tips" in fleet.refused("import-bundle", str(two), "two")
     # A bundle whose branch has no organism.el is not a lineage.
     subprocess.run(["git", "-C", str(clone), "rm", "-q", "organism.el"], check=True)
     subprocess.run(
@@ -93,7 +85,7 @@ def test_import_refusals_are_one_line_with_exit_2(fleet: Fleet, tmp_path: Path) 
     subprocess.run(
         ["git", "-C", str(clone), "bundle", "create", "-q", str(bare), "main"], check=True
     )
-    assert "no organism.el" in _refused(fleet, "import-bundle", str(bare), "bare")
+    assert "no organism.el" in fleet.refused("import-bundle", str(bare), "bare")
     listed = fleet.git("for-each-ref", "--format=%(refname)").split()
     assert not {"refs/heads/lineage-two", "refs/heads/lineage-bare"} & set(listed)
 
@@ -136,6 +128,6 @@ def test_terminal_output_shows_organism_text_inert(fleet: Fleet) -> None:
 
 
 def test_views_refuse_unknown_lineages_and_generations(fleet: Fleet) -> None:
-    assert "no lineage named nope" in _refused(fleet, "journal", "nope")
-    assert "no generation" in _refused(fleet, "observations", "sample", "9")
-    assert "no generation" in _refused(fleet, "observations", "sample", "../1")
+    assert "no lineage named nope" in fleet.refused("journal", "nope")
+    assert "no generation" in fleet.refused("observations", "sample", "9")
+    assert "no generation" in fleet.refused("observations", "sample", "../1")

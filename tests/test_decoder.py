@@ -32,12 +32,10 @@ from worker.instrument.decoder import (
     DecodeLimits,
     DecoderRejection,
     TreeEntry,
-    _is_dotgit,
-    _is_gitattributes,
-    _is_gitmodules,
     decode_archive,
 )
 from worker.instrument.names import KERNEL_OWNED
+from worker.instrument.path_rules import is_dotgit, is_gitattributes, is_gitmodules
 from worker.instrument.physics import Physics
 
 T = TypeVar("T")
@@ -540,9 +538,9 @@ def test_decoder_refuses_exactly_the_paths_git_would_silently_drop(
         # as .gitattributes): test_decoder_git_parity checks those against real git.
         parts = tuple(path.split("/"))
         expected = path in git_kept and path.isprintable()
-        expected = expected and not _is_gitmodules(parts)
-        expected = expected and not any(_is_dotgit(part) for part in parts)
-        expected = expected and not any(_is_gitattributes(part) for part in parts[:-1])
+        expected = expected and not any(is_gitmodules(part) for part in parts)
+        expected = expected and not any(is_dotgit(part) for part in parts)
+        expected = expected and not any(is_gitattributes(part) for part in parts[:-1])
         assert decoder_kept == expected, (path, is_symlink)
 
 
@@ -760,6 +758,32 @@ def test_every_format_and_separator_character_is_rejected(tmp_path: Path) -> Non
         assert reason.endswith(f"U+{ord(char):04X} {unicodedata.name(char)} in the name")
 
 
+# Look-alikes outside Cf: they render as nothing (default-ignorable) or as a space that
+# is not U+0020, so "journal.md" followed by one lists as a second journal.md.
+LOOK_ALIKES = [
+    ("\u034f", "U+034F COMBINING GRAPHEME JOINER"),
+    ("\u17b4", "U+17B4 KHMER VOWEL INHERENT AQ"),
+    ("\u115f", "U+115F HANGUL CHOSEONG FILLER"),
+    ("\u1160", "U+1160 HANGUL JUNGSEONG FILLER"),
+    ("\u3164", "U+3164 HANGUL FILLER"),
+    ("\uffa0", "U+FFA0 HALFWIDTH HANGUL FILLER"),
+    ("\u00a0", "U+00A0 NO-BREAK SPACE"),
+    ("\u2007", "U+2007 FIGURE SPACE"),
+    ("\u3000", "U+3000 IDEOGRAPHIC SPACE"),
+]
+
+
+@pytest.mark.parametrize(("char", "named"), LOOK_ALIKES)
+def test_look_alike_characters_in_names_and_targets_are_rejected_by_name(
+    tmp_path: Path, char: str, named: str
+) -> None:
+    for name in (f"journal.md{char}", f"organism{char}.el", f"dir{char}/file", char):
+        reason = rejection(build(body(), regular(name, b"x")), tmp_path / "dest")
+        assert reason == f"member {name!r}: {named} in the name"
+    reason = rejection(build(body(), link("l", f"real{char}.el")), tmp_path / "dest")
+    assert reason == f"member 'l': {named} in the symlink target"
+
+
 def test_visible_non_ascii_names_are_kept(tmp_path: Path) -> None:
     names = ["é.el", "e\u0301.el", "日本語/ノート.txt", "a b.txt", "Ω≈ç√.el"]
     archive = build(body(), *(regular(name, b"x") for name in names), link("l", "Ω/ノート"))
@@ -827,3 +851,29 @@ def test_a_bidi_name_written_by_a_life_is_a_decoder_rejection_naming_it(tmp_path
         "member './gnp.\\u202etxt.el': U+202E RIGHT-TO-LEFT OVERRIDE in the name"
     )
     assert fleet.files("spoofer") == [".ouroboros-lineage.json", "journal.md", "organism.el"]
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+@pytest.mark.parametrize(("char", "named"), LOOK_ALIKES)
+def test_a_look_alike_name_written_by_a_life_is_a_decoder_rejection_naming_it(
+    tmp_path: Path, char: str, named: str
+) -> None:
+    """A life forging a second journal.md (the kernel's own journal, shown by the web UI
+    and the CLI) dies, and the lineage's tree keeps only the kernel's files."""
+    fleet = Fleet(tmp_path)
+    make_lineage(
+        fleet,
+        "forger",
+        "(let ((file-name-coding-system 'utf-8))\n"
+        f'  (with-temp-file "/work/journal.md\\u{ord(char):04x}" (insert "# forged journal")))\n',
+    )
+    run_one(fleet, "forger")
+    assert fleet.subjects("forger")[0] == "gen 1: died (exit 0); staged writes discarded"
+    observation = fleet.observation("forger", 1)
+    assert observation["outcome"] == "decoder_rejection"
+    assert observation["rejection_reason"] == (
+        f"member {'./journal.md' + char!r}: {named} in the name"
+    )
+    assert fleet.files("forger") == [".ouroboros-lineage.json", "journal.md", "organism.el"]

@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 import pytest
 from support.tarballs import LIMITS, body, build, directory, link, regular
 
-from worker.instrument import decoder
+from worker.instrument import path_rules
 from worker.instrument.decoder import DecoderRejection, decode_archive
 
 
@@ -169,7 +169,7 @@ def test_a_gitattributes_over_git_size_limit_is_refused(
 ) -> None:
     """gitattributesLarge (over 100 MiB) is beyond any test archive: the rule is checked
     with the limit scaled down, at the boundary."""
-    monkeypatch.setattr(decoder, "_ATTR_MAX_FILE_SIZE", 10)
+    monkeypatch.setattr(path_rules, "ATTR_MAX_FILE_SIZE", 10)
     assert not decoder_refuses(tmp_path / "at", [Member(".gitattributes", data=b"*\n" * 5)])[0]
     refused, reason = decoder_refuses(tmp_path / "over", [Member("sub/gitatt~3", data=b"*" * 11)])
     assert refused

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from support.tarballs import body, build, regular
 
-from worker.instrument import decoder
-from worker.instrument.decoder import DecodeLimits, DecoderRejection, decode_archive
+from worker.instrument import path_rules
+from worker.instrument.decoder import DecodeLimits, DecoderRejection, decode_archive, plan_archive
 
 _ATTR_MAX = 100 * 1024 * 1024
 
@@ -30,11 +30,7 @@ def _lines_refused(content: bytes, longest: int) -> bool:
 
 def _refused(content: bytes, start: int = 0, padding: bytes = b"") -> bool:
     archive = padding[:start] + content + padding
-    try:
-        decoder._check_gitattributes(archive, start, len(content))
-    except decoder._Broken:
-        return True
-    return False
+    return path_rules.gitattributes_problem(archive, start, len(content)) is not None
 
 
 @pytest.mark.parametrize(
@@ -70,7 +66,7 @@ def test_the_line_rule_matches_fsck_blob_on_random_content(
     offset in the archive, with NULs, CRs and boundaries around the limit."""
     rng = random.Random(5)
     for longest in (1, 2, 3, 8, 16):
-        monkeypatch.setattr(decoder, "_ATTR_MAX_LINE_LENGTH", longest)
+        monkeypatch.setattr(path_rules, "ATTR_MAX_LINE_LENGTH", longest)
         for _ in range(3000):
             content = bytes(
                 rng.choice(b"\n\n\nxx\r\0" if rng.random() < 0.5 else b"\nxxxxxxxx")
@@ -116,11 +112,11 @@ def test_backslash_checks_say_what_the_per_backslash_checks_said() -> None:
     alphabet = "\\\\\\..gGiIt~~1234567890eEbBaAmModulesx :"
     for _ in range(100_000):
         part = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 16)))
-        assert (decoder._BACKSLASH_NTFS_DOTGIT.search(part) is not None) == (
+        assert (path_rules.BACKSLASH_NTFS_DOTGIT.search(part) is not None) == (
             _old_after_backslash(_OLD_DOTGIT, part)
         ), part
-        assert (decoder._BACKSLASH_NTFS_DOTGITMODULES.search(part) is not None) == (
-            _old_after_backslash(decoder._NTFS_DOTGITMODULES, part)
+        assert (path_rules.BACKSLASH_NTFS_DOTGITMODULES.search(part) is not None) == (
+            _old_after_backslash(path_rules.NTFS_DOTGITMODULES, part)
         ), part
 
 
@@ -155,12 +151,12 @@ def test_names_of_backslashes_are_checked_in_linear_time(
     # which a check per backslash made grow with the component's length.
     counted = {
         name: _Counted(pattern)
-        for name, pattern in vars(decoder).items()
+        for name, pattern in vars(path_rules).items()
         if isinstance(pattern, re.Pattern) and "GIT" in name
     }
     for name, pattern in counted.items():
-        monkeypatch.setattr(decoder, name, pattern)
-    decoder._plan(archive, limits)
+        monkeypatch.setattr(path_rules, name, pattern)
+    plan_archive(archive, limits)
     components = members * (parent.count("/") + 2)
     calls = sum(pattern.calls for pattern in counted.values())
     assert calls <= 8 * components, f"{calls} pattern applications for {components} components"

@@ -31,6 +31,8 @@ CLI_PACKAGE = ROOT / "scheduler" / "cli"
 RUNNING_MACHINERY = (
     "worker.instrument.sandbox",
     "worker.instrument.decoder",
+    "worker.instrument.tar_reader",
+    "worker.instrument.extract",
     "worker.instrument.ceilings",
     "worker.instrument.model.server",
     "worker.instrument.identity",

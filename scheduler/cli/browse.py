@@ -30,6 +30,7 @@ from rich.text import Text
 
 from scheduler.cli.common import load_settings
 from scheduler.importer import import_bundle
+from scheduler.legible import escape_for_json
 from scheduler.output import console, plain, warn
 from scheduler.reader import NotFound, Reader, open_reader, parse_generation
 from scheduler.views import GenerationRow, GenerationView, JournalRow, is_death
@@ -44,8 +45,11 @@ def _reader() -> Reader:
 
 
 def _json(model: Any, value: object) -> None:
-    """``value`` as JSON of type ``model``: exactly what the JSON API would answer."""
-    click.echo(TypeAdapter(model).dump_json(value, indent=2, by_alias=True).decode())
+    """``value`` as JSON of type ``model``: exactly what the JSON API would answer, C1
+    and bidi controls escaped as the API escapes them."""
+    click.echo(
+        escape_for_json(TypeAdapter(model).dump_json(value, indent=2, by_alias=True).decode())
+    )
 
 
 def _outcome(row: GenerationRow) -> Text:

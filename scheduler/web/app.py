@@ -3,8 +3,9 @@
 Owns assembling the browsing app from a ``Reader``, a live-workers provider and
 the settings (for ``/metrics``, ``scheduler.web.metrics``, and for advice),
 the mapping of "no such lineage or generation" (including malformed names and
-numbers) to 404 and of an unreachable store to 503, and the headers every response
-carries: a Content-Security-Policy that allows no script at all (the UI needs none,
+numbers) to 404 and of an unreachable store to 503, JSON answers with C1 and bidi
+controls escaped (``legible``), and the headers every response carries: a
+Content-Security-Policy that allows no script at all (the UI needs none,
 so even markup that escaped escaping could not run), no framing, no sniffing, no
 referrer. The interactive docs pages are off because they load from a CDN; the
 OpenAPI schema is served at /openapi.json.
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scheduler.legible import escape_for_json
 from scheduler.reader import NotFound, Reader
 from scheduler.web import api, metrics, pages
 from scheduler.web.render import templates
@@ -39,6 +41,14 @@ SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "no-referrer",
 }
+
+
+class InertJSONResponse(JSONResponse):
+    """JSON with every C1 and bidi control escaped (``\\u202e``): the same values, but
+    none that acts on a terminal or reorders a page when the answer is shown raw."""
+
+    def render(self, content: object) -> bytes:
+        return escape_for_json(super().render(content).decode()).encode()
 
 
 def create_app(
@@ -59,6 +69,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json",
+        default_response_class=InertJSONResponse,
     )
     app.state.reader = reader
     app.state.workers = workers or remembered(live_workers)

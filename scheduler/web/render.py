@@ -1,19 +1,28 @@
 """The Jinja2 environment of the web UI: autoescaping everywhere, display filters.
 
 Owns how values look on a page (sizes, seconds, money, commits, diff line classes,
-outcome badges) and the guarantee that every template escapes what it prints:
-autoescape is on for every template regardless of its file name, and no filter
-here marks anything safe, so organism-made text is always inert.
+outcome badges, marked controls) and the guarantee that every template escapes what it
+prints: autoescape is on for every template regardless of its file name, and the one
+filter here that returns markup, ``marked``, escapes the text itself first and adds
+only its own fixed marker element, so organism-made text is always inert.
+
+``marked`` shows each C1 or bidi control (``legible``) in a diff or path as a visible
+marker titled with the code point and its name, as code hosts do: raw, a bidi override
+in ``organism.el`` would make the diff a researcher reviews read otherwise than the code
+runs ("Trojan Source").
 """
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from decimal import Decimal
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup, escape
 from starlette.templating import Jinja2Templates
 
+from scheduler.legible import UNSAFE, describe
 from scheduler.views import is_death
 from scheduler.web.charts import chart
 
@@ -54,6 +63,20 @@ def _diff_class(line: str) -> str:
     return "ctx"
 
 
+_MARKER = Markup('<span class="control" title="{title}">&lt;{code}&gt;</span>')
+_PIECES = re.compile(f"({UNSAFE.pattern})")
+
+
+def _marked(text: str) -> Markup:
+    """``text`` escaped, each C1 or bidi control replaced by a marker naming it."""
+    return Markup("").join(
+        _MARKER.format(title=describe(piece), code=f"U+{ord(piece):04X}")
+        if index % 2
+        else escape(piece)
+        for index, piece in enumerate(_PIECES.split(text))
+    )
+
+
 def _badge(outcome: str) -> str:
     """The CSS class of an outcome badge (a fixed vocabulary, never organism text)."""
     if is_death(outcome):
@@ -80,6 +103,7 @@ def environment() -> Environment:
         when=_when,
         diffclass=_diff_class,
         badge=_badge,
+        marked=_marked,
     )
     env.tests["death"] = is_death
     env.globals["chart"] = chart

@@ -69,8 +69,8 @@ def import_fixture(fleet: Fleet, name: str = "sample") -> None:
     fleet.ok("import-bundle", str(sample_bundle(fleet.home)), name)
 
 
-def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
-    """A fleet lineage whose every organism-made field carries PAYLOAD.
+def write_hostile_lineage(settings: Settings, name: str = "xss", payload: str = PAYLOAD) -> None:
+    """A fleet lineage whose every organism-made field carries ``payload``.
 
     gen 1 changed (hostile file name and diff), an out-of-loop commit with a hostile
     subject, gen 2 died with hostile stderr lines; both observed with hostile
@@ -78,7 +78,7 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
     """
     ensure_shared_repo(settings.lineage_repo_url)
     cache, store = lineage_cache(settings), observation_store(settings)
-    seed = f";; seed {PAYLOAD}\n".encode()
+    seed = f";; seed {payload}\n".encode()
     instrument = Instrument(
         fingerprint="e" * 64, version="0.1.0", scripts={}, seed=seed, sources={}
     )
@@ -115,16 +115,16 @@ def write_hostile_lineage(settings: Settings, name: str = "xss") -> None:
     gen1_parent = head
     tree.update(
         {
-            ORGANISM_PATH: blob(f';; body\n(message "{PAYLOAD}")\n'),
-            f"{PAYLOAD}.el": blob(f"{PAYLOAD}\n"),
+            ORGANISM_PATH: blob(f';; body\n(message "{payload}")\n'),
+            f"{payload}.el": blob(f"{payload}\n"),
             JOURNAL_PATH: blob(log),
         }
     )
     gen1 = land(dict(tree), journal.subject_changed(1, summary))
-    land(dict(tree, **{"notes.txt": blob(PAYLOAD)}), f"external edit: {PAYLOAD}")
+    land(dict(tree, **{"notes.txt": blob(payload)}), f"external edit: {payload}")
     gen2_parent = head
     # A terminal escape too: the CLI must not let it act on the reader's terminal.
-    stderr = f'first line\n{PAYLOAD}\n\x1b[2J(error "{PAYLOAD}")\n'
+    stderr = f'first line\n{payload}\n\x1b[2J(error "{payload}")\n'
     log = journal.append(log, journal.entry_died(2, 255, stderr, when))
     tree[JOURNAL_PATH] = blob(log)
     gen2 = land(dict(tree), journal.subject_died(2, 255))

@@ -231,6 +231,14 @@ class Fleet:
             )
         return result
 
+    def refused(self, *args: str) -> str:
+        """``cli``, which must refuse: exit 2, one line on stderr, no traceback; the line."""
+        result = self.cli(*args)
+        assert result.returncode == 2, result.stdout + result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        return lines[0]
+
     def traced(self, *args: str, timeout: float = 600) -> list[list[str]]:
         """Run ``ok(*args)`` under ``strace -f``; the argv of every process it started
         outside a sandbox (a ``bwrap`` and its descendants are a life), in no order."""
