@@ -107,7 +107,7 @@ def git_label(_git_dir: object, *args: str, **_: object) -> str:
         return f"git {first} {args[1]}"
     if first == "log":
         return (
-            "git log (subjects: numbering)" if args[1] == "--format=%s" else "git log (body_before)"
+            "git log (subjects: numbering)" if args[1] == "--format=%s" else "git log (last_body)"
         )
     if first == "rev-list":
         return "git rev-list --max-parents=0 (root)"

@@ -92,12 +92,6 @@ class Ledger:
             self._spent += charge
         return charge
 
-    def settle_usage(
-        self, reservation: Reservation, input_tokens: int, output_tokens: int
-    ) -> Decimal:
-        """Close a reservation at the cost of the usage the provider reported."""
-        return self.settle(reservation, self.prices.cost_usd(input_tokens, output_tokens))
-
     def _remaining(self) -> Decimal:
         held = sum((r.amount_usd for r in self._open.values()), Decimal(0))
         return self.budget_usd - self._spent - held
