@@ -901,9 +901,9 @@ def test_key_reaches_neither_log_nor_audit_record_nor_organism(
     provider = make_provider("openai", None, settings(openai_base_url=stand_in.url))
     caplog.set_level(logging.DEBUG)
 
-    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as broker:
+    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as model:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.connect(str(broker.socket_path))
+        client.connect(str(model.socket_path))
         client.sendall(b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 1\r\n\r\np")
         answer = client.makefile("rb").read()
         client.close()
@@ -912,7 +912,7 @@ def test_key_reaches_neither_log_nor_audit_record_nor_organism(
     assert KEY.encode() not in answer
     assert KEY not in caplog.text
     assert "openai answered HTTP 401" in caplog.text
-    assert KEY not in broker.calls[0].model_dump_json()
+    assert KEY not in model.calls[0].model_dump_json()
 
 
 def test_provider_objects_never_show_the_key(monkeypatch: pytest.MonkeyPatch) -> None:

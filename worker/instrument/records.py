@@ -79,7 +79,7 @@ class ModelAttempt(BaseModel):
 
 
 class ModelCall(BaseModel):
-    """One request through the model socket, as the broker audited it."""
+    """One request through the model socket, as the model socket audited it."""
 
     model_config = ConfigDict(extra="forbid")
 

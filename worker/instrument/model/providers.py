@@ -57,7 +57,7 @@ _Shape = TypeVar("_Shape", bound=BaseModel)
 
 
 class GenerationContext(BaseModel):
-    """What the broker knows about the generation it serves (for the scripted stand-in)."""
+    """What the model socket knows about the generation it serves (for the scripted stand-in)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
