@@ -22,7 +22,7 @@ import redis
 from support.fleet import PrivateRedis
 from support.rig import Rig, dead_holder, planner_rig
 
-from scheduler.status import Fleet as Scheduler
+from scheduler.status import FleetClient
 from worker.fleet import leases
 
 # Full tier: a private redis-server.
@@ -112,7 +112,7 @@ def test_a_contested_marker_does_not_stop_the_reconcilers_pass_nor_status(rig: R
     contested.keys = [leases.blocked_key(planted)]
     contested.attacker.hset(leases.blocked_key(planted), "x", "y")
     assert neighbour in rig.planner.reconcile()
-    scheduler = Scheduler(rig.planner.settings)
+    scheduler = FleetClient(rig.planner.settings)
     scheduler.planner = rig.planner  # type: ignore[misc]
     assert scheduler.status(planted).blocked is None
 

@@ -37,7 +37,7 @@ from support.fleet import (
 from support.lives import WRITES_STATE, assert_linear, generations, start
 from support.rig import Rig, dead_holder, planner_rig, report
 
-from scheduler.status import Fleet as Scheduler
+from scheduler.status import FleetClient
 from worker.fleet import leases
 from worker.fleet.tasks import _watch_markers
 
@@ -320,7 +320,7 @@ def test_status_reads_a_marker_of_another_type_as_absent(
     rig.run(lineage, 2)
     plant(rig.client, key_of(lineage))
     with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
-        row = Scheduler(rig.planner.settings).status(lineage)
+        row = FleetClient(rig.planner.settings).status(lineage)
     assert (row.in_flight, row.blocked) == (None, None)
     assert row.target == 2
     removed_and_named(rig.client, key_of(lineage), caplog)
