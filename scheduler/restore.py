@@ -29,11 +29,11 @@ from scheduler.importer import import_bundle
 from scheduler.verify import Checked, check
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import branch_ref, ensure_shared_repo, is_local, local_path, run_git
-from worker.instrument.keys import generation_key, index_key, metadata_key, run_key
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import generation_number
 from worker.instrument.records import IndexEntry, LineageIndex, Observation
 from worker.instrument.store import ObservationStore
+from worker.instrument.store_keys import generation_key, index_key, metadata_key, run_key
 
 
 class ArchiveProblems(Refusal):

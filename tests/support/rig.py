@@ -31,11 +31,11 @@ from worker.instrument import journal
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import index_key
 from worker.instrument.lineage import LineageMetadata, create_lineage
 from worker.instrument.names import ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import IndexEntry, LineageIndex
+from worker.instrument.store_keys import index_key
 
 SEED = b';;; rules organism  -*- lexical-binding: t; -*-\n(message "hi")\n'
 INSTRUMENT = Instrument(

@@ -38,7 +38,6 @@ from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.identity import IdentityPool
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import generation_key
 from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
 from worker.instrument.model.providers import GenerationContext, Provider, make_provider
 from worker.instrument.model.retry import RetryPolicy
@@ -64,6 +63,7 @@ from worker.instrument.sandbox import (
 from worker.instrument.settings import InstrumentSettings
 from worker.instrument.spool import Publication, Spool
 from worker.instrument.store import ObservationStore, StoreUnavailable
+from worker.instrument.store_keys import generation_key
 
 # Two: ``run --local`` of several lineages runs each in turn, and a worker's process
 # rarely meets the same lineage twice in a row; each kept journal costs its size.
