@@ -96,7 +96,7 @@ def test_a_key_written_again_between_its_removal_and_the_retry_fails_no_command(
     key_of, command = CALLS[call]
     contested.keys = [key_of(LINEAGE)]
     contested.attacker.hset(key_of(LINEAGE), "x", "y")
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         command(contested)  # raised WRONGTYPE: the retry met the hash written again
     assert any(repr(key_of(LINEAGE)) in r.getMessage() for r in caplog.records)
 
@@ -143,7 +143,7 @@ def test_a_forged_dead_holders_lease_writes_no_line_of_its_own_into_the_log(
     host, boot, _pid, _started, pidns = leases.holder_name().split(":")
     forged = f"{host}:{boot}:1:x\nCRITICAL forged line:{pidns}:\nCRITICAL another/0123"
     contested.set(leases.lease_key(LINEAGE), forged, ex=600)
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         assert leases.Lease(contested, LINEAGE, 60).acquire()
     messages = [r.getMessage() for r in caplog.records]
     assert messages and all(m.isprintable() for m in messages), messages

@@ -69,7 +69,7 @@ from worker.instrument.model.catalogue import PROVIDER_NAMES
 from worker.instrument.names import is_lineage_name
 
 PREFIX = "ouroboros"
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 # A worker's commands wait out a broker restart (about 12 s of retries): a life that
 # lands while Redis restarts still releases its lease and sends its follow-up, instead
 # of leaving its lineage to the lease's expiry and the reconciler's next pass.

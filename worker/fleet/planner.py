@@ -57,7 +57,7 @@ from worker.instrument.store_keys import run_key, runs_prefix
 
 # (job, job id, queue, hard time limit, first: ahead of every job already queued)
 Send = Callable[[GenerationJob, str, str, int, bool], None]
-log = logging.getLogger("ouroboros.reconcile")
+log = logging.getLogger(__name__)
 
 
 class Planner:
