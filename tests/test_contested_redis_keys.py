@@ -1,5 +1,5 @@
-"""Hostile review, session 21: a writer of the fleet's Redis who keeps writing a lineage
-key of another type than the fleet's string, and one who forges a dead holder's lease.
+"""A writer of the fleet's Redis who keeps writing a lineage key of another type than
+the fleet's string, and one who forges a dead holder's lease.
 
 A key of another type is removed and the command run again (``leases._repairing``).
 Whoever keeps writing it (``HSET`` in a loop: it creates the key whenever it is absent,

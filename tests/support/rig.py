@@ -1,6 +1,6 @@
 """A scheduler's planner in this process, its ``send`` recorded instead of sent: the rig
 of the fleet's rules (``test_fleet_rules``) and of the hostile Redis tests
-(``test_hostile_recovery``, ``test_contested_redis_keys``).
+(``test_recovery_against_planted_keys``, ``test_contested_redis_keys``).
 
 ``Rig`` makes lineages the way ``schedule-lineage init`` does (the project's own
 ``create_lineage``) and lands generations with its own ``LineageCache``; ``entry`` and

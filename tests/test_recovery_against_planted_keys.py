@@ -1,4 +1,4 @@
-"""Hostile review of the recovery path: what a writer of the broker's Redis, or a slow
+"""The recovery path against planted keys: what a writer of the broker's Redis, or a slow
 sender, can make a worker's recovery machinery do.
 
 Each test stages the keys an attacker (anyone who can reach the fleet's Redis) or a
