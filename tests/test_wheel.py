@@ -23,6 +23,7 @@ from support.fleet import SMALL_PHYSICS, Fleet
 from worker.instrument.fingerprint import PACKAGE_ROOT
 from worker.instrument.source_commit import SourceCommit, read_checkout
 
+FINGERPRINT = "from worker.instrument.fingerprint import current; print(current().fingerprint)"
 GIT_USER = ["-c", "user.name=t", "-c", "user.email=t@example.invalid"]
 
 
@@ -103,6 +104,16 @@ def test_an_installed_wheel_runs_a_lineage_under_the_commit_it_was_built_from(
 
     meta = json.loads(fleet.show("alpha", ".ouroboros-lineage.json"))
     assert meta["instrument_commit"] == commit
+    # The record is data beside the code: the wheel's fingerprint is its checkout's.
+    checkout = subprocess.run(
+        [sys.executable, "-c", FINGERPRINT],
+        env={**fleet.env, "PYTHONPATH": str(tmp_path / "clone")},
+        cwd=fleet.home,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert meta["instrument_fingerprint"] == checkout.stdout.strip()
     assert fleet.subjects("alpha")[0].startswith("gen 1: changed")
     assert fleet.observation("alpha", 1)["outcome"] == "changed"
 
