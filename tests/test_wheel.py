@@ -15,13 +15,14 @@ import json
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
 from support.fleet import SMALL_PHYSICS, Fleet
 
 from worker.instrument.fingerprint import PACKAGE_ROOT
-from worker.instrument.source_commit import SourceCommit, read_checkout
+from worker.instrument.source_commit import BUILD_FILE, SourceCommit, read_checkout
 
 FINGERPRINT = "from worker.instrument.fingerprint import current; print(current().fingerprint)"
 GIT_USER = ["-c", "user.name=t", "-c", "user.email=t@example.invalid"]
@@ -134,6 +135,37 @@ def test_a_wheel_built_from_a_dirty_tree_says_so_and_refuses(tmp_path: Path) -> 
     assert commit[:12] in refused.stderr
     assert "Traceback" not in refused.stderr
     assert not fleet.repo.exists() or not (fleet.repo / "refs/heads/lineage-alpha").exists()
+
+
+@pytest.mark.full
+def test_a_wheel_built_from_the_sdist_keeps_the_checkouts_commit(tmp_path: Path) -> None:
+    # ``python -m build`` builds the wheel from the sdist, where there is no .git.
+    clone = tmp_path / "clone"
+    commit = clone_head(clone)
+    build_sdist = "from setuptools import build_meta; print(build_meta.build_sdist('../sdist'))"
+    subprocess.run([sys.executable, "-c", build_sdist], cwd=clone, check=True, capture_output=True)
+    (sdist,) = (tmp_path / "sdist").glob("*.tar.gz")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "-q",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(sdist),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        record = archive.read(f"worker/{BUILD_FILE}").decode()
+    assert SourceCommit.decode(record) == SourceCommit(commit, dirty=False)
 
 
 @pytest.mark.full
