@@ -37,12 +37,12 @@ from worker.fleet.runs import RunRecord
 from worker.fleet.settings import Settings
 from worker.instrument import journal
 from worker.instrument.index import segment_of
-from worker.instrument.keys import generation_key, index_segment_key, metadata_key, run_key
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import IndexEntry, LineageIndex, ModelCall, Observation, Provenance
 from worker.instrument.store import FileStore, ObservationStore, open_store
+from worker.instrument.store_keys import generation_key, index_segment_key, metadata_key, run_key
 
 TARGET_SECONDS = 0.300
 NAME = "big"

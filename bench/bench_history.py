@@ -107,7 +107,7 @@ def git_label(_git_dir: object, *args: str, **_: object) -> str:
         return f"git {first} {args[1]}"
     if first == "log":
         return (
-            "git log (subjects: numbering)" if args[1] == "--format=%s" else "git log (body_before)"
+            "git log (subjects: numbering)" if args[1] == "--format=%s" else "git log (last_body)"
         )
     if first == "rev-list":
         return "git rev-list --max-parents=0 (root)"
@@ -154,8 +154,8 @@ def instrument(steps: Steps) -> None:
 def grow(fleet: BenchFleet, lineage: str, generations: int, store: object) -> str:
     """Append ``generations`` synthetic generation commits to the lineage; the pack file."""
     from worker.instrument import index, journal
-    from worker.instrument.keys import index_segment_key
     from worker.instrument.records import IndexEntry, LineageIndex
+    from worker.instrument.store_keys import index_segment_key
 
     seed = fleet.head(lineage)
     assert seed
@@ -274,9 +274,9 @@ def main() -> None:
         from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
         from worker.fleet.settings import Settings
         from worker.instrument.gitrepo import LineageCache
-        from worker.instrument.keys import generation_key
         from worker.instrument.pipeline import GenerationJob
         from worker.instrument.records import LineageIndex
+        from worker.instrument.store_keys import generation_key
 
         body = (READS_JOURNAL if args.organism_reads_journal else "") + ORGANISM
         seed = fleet.write_seed("history.el", body)
@@ -461,7 +461,7 @@ def main() -> None:
             breakdown(packed)
 
         from worker.instrument.index import SEGMENT_ENTRIES
-        from worker.instrument.keys import index_segment_key
+        from worker.instrument.store_keys import index_segment_key
 
         print()
         # A full segment: as many entries as the deep lineage's last one, scaled up.

@@ -424,7 +424,7 @@ class Soak:
     # -- the end ------------------------------------------------------------------
 
     def observation_keys(self, lineage: str) -> list[str]:
-        from worker.instrument.keys import generation_key
+        from worker.instrument.store_keys import generation_key
 
         prefix = "fleet/" + generation_key(lineage, 1).rsplit("/", 1)[0] + "/"
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
@@ -463,7 +463,7 @@ class Soak:
 
     def index_entries(self, name: str) -> list[dict[str, object]]:
         """Every entry of the lineage's paged index, read from its segments on the store."""
-        from worker.instrument.keys import index_segments_prefix
+        from worker.instrument.store_keys import index_segments_prefix
 
         prefix = f"fleet/{index_segments_prefix(name)}"
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)

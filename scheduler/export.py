@@ -42,11 +42,11 @@ from worker.fleet.runs import RunRecord, run_progress
 from worker.instrument.errors import Refusal
 from worker.instrument.fingerprint import package_version
 from worker.instrument.gitrepo import LineageCache, branch_ref, run_git
-from worker.instrument.keys import generation_key, index_key, metadata_key, runs_prefix
 from worker.instrument.lineage import check_name
 from worker.instrument.names import METADATA_PATH, generation_number
 from worker.instrument.records import LineageIndex, Observation
 from worker.instrument.store import ObservationStore
+from worker.instrument.store_keys import generation_key, index_key, metadata_key, runs_prefix
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from scheduler.liveness import UNREACHABLE, Workers, served_line
 from scheduler.output import plain
 from scheduler.sources import NOUNS, Source, why
-from scheduler.status import FAILURES, Fleet, LineageStatus, Outages
+from scheduler.status import FAILURES, FleetClient, LineageStatus, Outages
 
 POLL_SECONDS = 1.0
 # How often the broker is asked which queues live workers serve (each ask takes ~1 s).
@@ -68,7 +68,7 @@ def describe(status: LineageStatus) -> str:
 
 
 def watch(
-    fleet: Fleet,
+    fleet: FleetClient,
     names: list[str],
     console: Console,
     show: bool,
@@ -142,7 +142,7 @@ def watch(
 
 
 def _statuses(
-    fleet: Fleet, names: list[str], workers: Workers, outages: Outages
+    fleet: FleetClient, names: list[str], workers: Workers, outages: Outages
 ) -> list[LineageStatus] | None:
     """Every named lineage's status in one pass; None while the repository does not answer."""
     try:

@@ -56,7 +56,6 @@ from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import GitError, is_local, local_path
 from worker.instrument.index import merged, segment_keys
-from worker.instrument.keys import generation_key, index_key
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import (
     BRANCH_PREFIX,
@@ -67,6 +66,7 @@ from worker.instrument.names import (
 )
 from worker.instrument.records import IndexEntry, LineageIndex, Observation
 from worker.instrument.store import ObservationStore, open_store
+from worker.instrument.store_keys import generation_key, index_key
 
 DEFAULT_PER_PAGE = 50
 MAX_PER_PAGE = 500

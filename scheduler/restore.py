@@ -30,11 +30,11 @@ from scheduler.verify import Checked, check
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import branch_ref, is_local, local_path, run_git
-from worker.instrument.keys import generation_key, index_key, metadata_key, run_key
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import generation_number
 from worker.instrument.records import IndexEntry, LineageIndex, Observation
 from worker.instrument.store import ObservationStore
+from worker.instrument.store_keys import generation_key, index_key, metadata_key, run_key
 
 
 class ArchiveProblems(Refusal):

@@ -118,8 +118,8 @@ class LineageStatus(BaseModel):
     unavailable: Outages = {}
 
 
-class Fleet:
-    """The scheduler's handle on the broker, the repository and the store."""
+class FleetClient:
+    """The scheduler's client of the fleet: the broker, the repository and the store."""
 
     def __init__(self, settings: Settings, *, start_broker: bool = True) -> None:
         """``start_broker=False`` (a command that only reads): an embedded Redis that is

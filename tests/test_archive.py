@@ -36,7 +36,7 @@ from worker.fleet.assembly import observation_store
 from worker.fleet.runs import RunRecord, new_run_id
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import IDENTITY, run_git
-from worker.instrument.keys import run_key
+from worker.instrument.store_keys import run_key
 
 # Full tier: its lineages are made and checked with git and the CLI.
 pytestmark = pytest.mark.full

@@ -14,8 +14,8 @@ from support.legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTU
 
 from worker.fleet.assembly import observation_store
 from worker.fleet.runs import RunRecord
-from worker.instrument.keys import run_key
 from worker.instrument.records import DEATHS
+from worker.instrument.store_keys import run_key
 
 # Full tier: it serves the UI with `schedule-lineage serve`.
 pytestmark = pytest.mark.full

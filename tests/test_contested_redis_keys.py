@@ -1,5 +1,5 @@
-"""Hostile review, session 21: a writer of the fleet's Redis who keeps writing a lineage
-key of another type than the fleet's string, and one who forges a dead holder's lease.
+"""A writer of the fleet's Redis who keeps writing a lineage key of another type than
+the fleet's string, and one who forges a dead holder's lease.
 
 A key of another type is removed and the command run again (``redis_keys.repairing``).
 Whoever keeps writing it (``HSET`` in a loop: it creates the key whenever it is absent,
@@ -22,7 +22,7 @@ import redis
 from support.fleet import PrivateRedis
 from support.rig import Rig, dead_holder, planner_rig
 
-from scheduler.status import Fleet as Scheduler
+from scheduler.status import FleetClient
 from worker.fleet import block_markers, holders, leases, markers, redis_keys
 
 # Full tier: a private redis-server.
@@ -99,7 +99,7 @@ def test_a_key_written_again_between_its_removal_and_the_retry_fails_no_command(
     key_of, command = CALLS[call]
     contested.keys = [key_of(LINEAGE)]
     contested.attacker.hset(key_of(LINEAGE), "x", "y")
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         command(contested)  # raised WRONGTYPE: the retry met the hash written again
     assert any(repr(key_of(LINEAGE)) in r.getMessage() for r in caplog.records)
 
@@ -115,7 +115,7 @@ def test_a_contested_marker_does_not_stop_the_reconcilers_pass_nor_status(rig: R
     contested.keys = [redis_keys.blocked_key(planted)]
     contested.attacker.hset(redis_keys.blocked_key(planted), "x", "y")
     assert neighbour in rig.planner.reconcile()
-    scheduler = Scheduler(rig.planner.settings)
+    scheduler = FleetClient(rig.planner.settings)
     scheduler.planner = rig.planner  # type: ignore[misc]
     assert scheduler.status(planted).blocked is None
 
@@ -146,7 +146,7 @@ def test_a_forged_dead_holders_lease_writes_no_line_of_its_own_into_the_log(
     host, boot, _pid, _started, pidns = holders.holder_name().split(":")
     forged = f"{host}:{boot}:1:x\nCRITICAL forged line:{pidns}:\nCRITICAL another/0123"
     contested.set(redis_keys.lease_key(LINEAGE), forged, ex=600)
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         assert leases.Lease(contested, LINEAGE, 60).acquire()
     messages = [r.getMessage() for r in caplog.records]
     assert messages and all(m.isprintable() for m in messages), messages

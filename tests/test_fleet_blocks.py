@@ -243,7 +243,7 @@ def test_a_report_the_provider_refused_blocks_the_run_until_fixed_and_sends_no_f
     job = rig.planner.enqueue(name)
     assert job is not None
 
-    with caplog.at_level(logging.ERROR, logger="ouroboros.worker"):
+    with caplog.at_level(logging.ERROR, logger="worker.fleet"):
         after_landing(rig, job, 1, failed("refused"))
 
     assert len(rig.sent.calls) == 1
@@ -267,7 +267,7 @@ def test_a_report_the_provider_never_answered_pauses_the_run_then_it_resumes(
     job = rig.planner.enqueue(name)
     assert job is not None
 
-    with caplog.at_level(logging.ERROR, logger="ouroboros.worker"):
+    with caplog.at_level(logging.ERROR, logger="worker.fleet"):
         after_landing(rig, job, 1, failed("unavailable"))
 
     record = block_markers.blocked(rig.client, name)
@@ -496,7 +496,7 @@ def test_a_blocked_marker_with_a_time_no_worker_writes_is_removed_once_and_block
     rig.run(name, 1)
     rig.client.set(redis_keys.blocked_key(name), forged_block(queue_in(rig, name), **times))
 
-    with caplog.at_level(logging.WARNING, "ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, "worker.fleet"):
         assert block_markers.blocks(rig.client).get(name) is None
         assert block_markers.blocked(rig.client, name) is None
         assert rig.planner.enqueue(name) is not None
@@ -533,7 +533,7 @@ def test_an_advert_with_a_naive_start_is_removed_once_and_the_recheck_goes_on(
     other, _ = rig.lineage("naive-beside")
     rig.client.set(redis_keys.blocked_key(other), forged_block(queue, since=NAIVE))
 
-    with caplog.at_level(logging.WARNING, "ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, "worker.fleet"):
         assert all(advert.node != "x" for advert in capabilities.adverts(rig.client, queue))
         assert rig.client.exists(forged) == 0
         monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-a-real-key")

@@ -57,11 +57,11 @@ MARGIN = 45
 SENDER = """
 import os, signal, sys
 from decimal import Decimal
-from scheduler.status import Fleet
+from scheduler.status import FleetClient
 from worker.fleet.runs import job_of
 from worker.fleet.settings import Settings
 
-planner = Fleet(Settings()).planner
+planner = FleetClient(Settings()).planner
 send = planner.send
 
 def send_then_die(*args):

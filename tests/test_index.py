@@ -20,9 +20,9 @@ from support.browse import sample_observation, write_hostile_lineage
 from scheduler.reader import Reader
 from worker.fleet.settings import Settings
 from worker.instrument import index
-from worker.instrument.keys import generation_key, index_key, index_segment_key
 from worker.instrument.records import IndexEntry, LineageIndex, Observation
 from worker.instrument.store import ObservationStore
+from worker.instrument.store_keys import generation_key, index_key, index_segment_key
 
 SEGMENT = 5
 WHEN = datetime(2026, 3, 1, tzinfo=UTC)

@@ -38,7 +38,7 @@ def test_charge_is_reported_usage_and_the_rest_is_refunded():
     ledger = Ledger(Decimal("1"), Prices(input_usd_per_mtok=5, output_usd_per_mtok=25))
     reservation = ledger.reserve(prompt_bytes=4000, output_tokens=1000)
 
-    charge = ledger.settle_usage(reservation, input_tokens=1200, output_tokens=300)
+    charge = ledger.settle(reservation, ledger.prices.cost_usd(1200, 300))
 
     assert charge == Decimal("0.0135")  # (1200 * 5 + 300 * 25) / 10**6
     assert ledger.spent_usd == charge
@@ -110,7 +110,7 @@ def test_spending_never_exceeds_budget_and_every_charge_is_capped_at_its_reserva
         assert worst <= remaining
         assert reservation.amount_usd == worst
         if outcome == "usage":
-            charge = ledger.settle_usage(reservation, used_in, used_out)
+            charge = ledger.settle(reservation, ledger.prices.cost_usd(used_in, used_out))
             assert charge == min(prices.cost_usd(used_in, used_out), reservation.amount_usd)
         elif outcome == "fail":
             charge = ledger.settle(reservation, Decimal(0))
@@ -151,7 +151,7 @@ def test_interleaved_reservations_keep_spent_plus_held_within_budget(
                 open_reservations.append(ledger.reserve(first, second))
         elif open_reservations:
             chosen = open_reservations.pop(data.draw(st.integers(0, len(open_reservations) - 1)))
-            charge = ledger.settle_usage(chosen, first, second)
+            charge = ledger.settle(chosen, ledger.prices.cost_usd(first, second))
             assert charge == min(prices.cost_usd(first, second), chosen.amount_usd)
             charges.append(charge)
         held = sum((r.amount_usd for r in open_reservations), Decimal(0))
@@ -172,7 +172,9 @@ def test_concurrent_calls_never_overspend_or_lose_a_charge():
                 reservation = ledger.reserve(prompt_bytes=1000 + seed, output_tokens=5000)
             except BudgetExhausted:
                 continue
-            charge = ledger.settle_usage(reservation, 900 + round_ % 7, 3000 + seed)
+            charge = ledger.settle(
+                reservation, ledger.prices.cost_usd(900 + round_ % 7, 3000 + seed)
+            )
             with charges_lock:
                 charges.append(charge)
 

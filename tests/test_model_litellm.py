@@ -100,19 +100,19 @@ def test_each_provider_is_answered_by_the_real_peer_with_exact_tokens_and_cost(
     caplog.set_level(logging.DEBUG)
     chosen = make_provider(provider, model, peer_settings(litellm_url, provider, model))
 
-    with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT) as broker:
-        answer = ask(broker.socket_path)
+    with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT) as model:
+        answer = ask(model.socket_path)
 
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 200 ")
     assert b"X-Ouroboros-Stop-Reason: complete" in head
     assert body.decode() == text
-    [call] = broker.calls
+    [call] = model.calls
     assert (call.stop_reason, call.usage_reported) == ("complete", True)
     assert call.input_tokens > 0 and call.output_tokens > 0
     prices = Prices(input_usd_per_mtok=Decimal(3), output_usd_per_mtok=Decimal(15))
     assert call.cost_usd == prices.cost_usd(call.input_tokens, call.output_tokens)
-    assert broker.spent_usd == call.cost_usd <= call.reserved_usd
+    assert model.spent_usd == call.cost_usd <= call.reserved_usd
     assert KEY not in caplog.text and KEY.encode() not in answer
     assert KEY not in call.model_dump_json()
 
@@ -124,13 +124,13 @@ def test_a_chat_reply_cut_without_usage_says_max_tokens_and_is_charged_its_reser
         "openai-compatible", "chat-cut", peer_settings(litellm_url, "openai-compatible", "chat-cut")
     )
 
-    with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT) as broker:
-        answer = ask(broker.socket_path, b"p", tokens=30)
+    with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT) as model:
+        answer = ask(model.socket_path, b"p", tokens=30)
 
     head, body = answer.split(b"\r\n\r\n", 1)
     assert b"X-Ouroboros-Stop-Reason: max_tokens" in head
     assert body == b"(defun cut"
-    [call] = broker.calls
+    [call] = model.calls
     assert (call.stop_reason, call.usage_reported) == ("max_tokens", False)
     worst = Prices(input_usd_per_mtok=Decimal(3), output_usd_per_mtok=Decimal(15)).cost_usd(
         1 + FRAMING_TOKENS, 30
@@ -164,14 +164,14 @@ def test_the_peers_passing_errors_are_tried_again_then_answered_502_and_cost_not
     chosen = make_provider(provider, model, peer_settings(litellm_url, provider, model))
     retry = RetryPolicy(max_attempts=3, first_backoff_seconds=0.05)
 
-    with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT, retry=retry) as broker:
-        answer = ask(broker.socket_path)
+    with ModelSocket(tmp_path / "model.sock", chosen, Physics(), CONTEXT, retry=retry) as model:
+        answer = ask(model.socket_path)
 
     assert answer.startswith(b"HTTP/1.1 502 ")
-    [call] = broker.calls
+    [call] = model.calls
     assert [a.vendor_status for a in call.attempts] == [status] * 3
     assert call.error == f"{provider} answered HTTP {status} ({kind})"
-    assert call.cost_usd == broker.spent_usd == 0
+    assert call.cost_usd == model.spent_usd == 0
     assert KEY not in call.model_dump_json()
 
 

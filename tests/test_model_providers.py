@@ -901,9 +901,9 @@ def test_key_reaches_neither_log_nor_audit_record_nor_organism(
     provider = make_provider("openai", None, settings(openai_base_url=stand_in.url))
     caplog.set_level(logging.DEBUG)
 
-    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as broker:
+    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as model:
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.connect(str(broker.socket_path))
+        client.connect(str(model.socket_path))
         client.sendall(b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 1\r\n\r\np")
         answer = client.makefile("rb").read()
         client.close()
@@ -912,7 +912,7 @@ def test_key_reaches_neither_log_nor_audit_record_nor_organism(
     assert KEY.encode() not in answer
     assert KEY not in caplog.text
     assert "openai answered HTTP 401" in caplog.text
-    assert KEY not in broker.calls[0].model_dump_json()
+    assert KEY not in model.calls[0].model_dump_json()
 
 
 def test_provider_objects_never_show_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -975,11 +975,27 @@ def test_scripted_answer_is_cut_at_the_granted_tokens() -> None:
     assert reply.output_tokens == 3
 
 
-def test_scripted_latency_past_the_timeout_is_unavailable() -> None:
-    provider = make_provider("scripted", None, settings(scripted_latency_seconds=5))
+def test_scripted_latency_past_the_timeout_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUROBOROS_SCRIPTED_LATENCY_SECONDS", "5")
+    provider = make_provider("scripted", None, settings())
 
     with pytest.raises(ProviderUnavailable, match=r"no answer within 0\.2 s"):
         provider.generate("p", 3, 0.2, CONTEXT)
+
+
+@pytest.mark.parametrize("value", ["-1", "601", "soon"])
+def test_a_bad_scripted_latency_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("OUROBOROS_SCRIPTED_LATENCY_SECONDS", value)
+    with pytest.raises(Refusal, match=r"^OUROBOROS_SCRIPTED_LATENCY_SECONDS: .*0 to 600"):
+        make_provider("scripted", None, settings())
+
+
+def test_the_scripted_latency_is_no_instrument_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUROBOROS_SCRIPTED_LATENCY_SECONDS", "3")
+    assert "scripted_latency_seconds" not in settings().model_dump()
+    assert make_provider("scripted", None, settings()).latency_seconds == 3
 
 
 @pytest.mark.full

@@ -34,10 +34,10 @@ from worker.instrument.physics import Physics
 from worker.instrument.records import STOP_REASONS, StopReason
 
 
-def raw_request(broker: ModelSocket, head: bytes, body: bytes = b"") -> bytes:
+def raw_request(model: ModelSocket, head: bytes, body: bytes = b"") -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.settimeout(10)
-        client.connect(str(broker.socket_path))
+        client.connect(str(model.socket_path))
         client.sendall(head + body)
         client.shutdown(socket.SHUT_WR)
         answer = b""
@@ -55,7 +55,7 @@ QUICK_RETRY = RetryPolicy(first_backoff_seconds=0.01, max_backoff_seconds=0.05)
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Serve]:
-    """Start a broker on tmp_path/model.sock; stopped at teardown."""
+    """Start a model socket on tmp_path/model.sock; stopped at teardown."""
     with ExitStack() as stack:
 
         def start(
@@ -64,7 +64,7 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
             throttle: Throttle | None = None,
             retry: RetryPolicy = QUICK_RETRY,
         ) -> ModelSocket:
-            broker = ModelSocket(
+            model = ModelSocket(
                 tmp_path / "model.sock",
                 provider,
                 physics or Physics(),
@@ -72,17 +72,17 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
                 throttle=throttle,
                 retry=retry,
             )
-            return stack.enter_context(broker)
+            return stack.enter_context(model)
 
         yield start
 
 
 def test_generate_answers_the_model_text_as_utf8_plain_text(serve: Serve) -> None:
     provider = DoubleProvider()
-    broker = serve(provider, Physics(max_output_tokens=500, model_timeout_seconds=7))
+    model = serve(provider, Physics(max_output_tokens=500, model_timeout_seconds=7))
 
     status, text, response = request(
-        broker, "prompt ✓".encode(), {"X-Ouroboros-Max-Output-Tokens": "321"}
+        model, "prompt ✓".encode(), {"X-Ouroboros-Max-Output-Tokens": "321"}
     )
 
     assert (status, text) == (200, "the answer ✓")
@@ -95,24 +95,24 @@ def test_generate_answers_the_model_text_as_utf8_plain_text(serve: Serve) -> Non
 
 def test_absent_token_header_grants_the_physics_maximum(serve: Serve) -> None:
     provider = DoubleProvider()
-    broker = serve(provider, Physics(max_output_tokens=444))
+    model = serve(provider, Physics(max_output_tokens=444))
 
-    status, _, _ = request(broker)
+    status, _, _ = request(model)
 
     assert status == 200
     assert provider.asked[0][1] == 444
-    assert broker.calls[0].requested_output_tokens == 444
+    assert model.calls[0].requested_output_tokens == 444
 
 
 def test_successful_call_is_charged_its_usage_and_audited_in_full(serve: Serve) -> None:
-    broker = serve(DoubleProvider(usage=(100, 20)), Physics(max_output_tokens=50))
+    model = serve(DoubleProvider(usage=(100, 20)), Physics(max_output_tokens=50))
     prompt = "prompt ✓".encode()
 
-    request(broker, prompt, {"X-Ouroboros-Max-Output-Tokens": "30"})
+    request(model, prompt, {"X-Ouroboros-Max-Output-Tokens": "30"})
 
     reserved = PRICES.cost_usd(len(prompt) + FRAMING_TOKENS, 30)
     cost = PRICES.cost_usd(100, 20)
-    [call] = broker.calls
+    [call] = model.calls
     assert call.index == 1
     assert call.status == 200
     assert call.prompt == "prompt ✓"
@@ -124,19 +124,19 @@ def test_successful_call_is_charged_its_usage_and_audited_in_full(serve: Serve) 
     assert call.error is None
     assert call.duration_seconds >= 0
     assert call.started_at.tzinfo is not None
-    assert broker.spent_usd == cost
+    assert model.spent_usd == cost
 
 
 def test_reported_usage_beyond_the_reservation_is_charged_only_the_reservation(
     serve: Serve,
 ) -> None:
-    broker = serve(DoubleProvider(usage=(10_000_000, 10_000_000)), Physics(budget_usd=50))
+    model = serve(DoubleProvider(usage=(10_000_000, 10_000_000)), Physics(budget_usd=50))
 
-    request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "10"})
+    request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "10"})
 
-    [call] = broker.calls
+    [call] = model.calls
     assert call.cost_usd == call.reserved_usd == PRICES.cost_usd(1 + FRAMING_TOKENS, 10)
-    assert broker.spent_usd == call.reserved_usd
+    assert model.spent_usd == call.reserved_usd
 
 
 @pytest.mark.parametrize(
@@ -146,41 +146,41 @@ def test_invalid_token_header_is_400_and_the_model_is_not_called(
     serve: Serve, value: str | bytes
 ) -> None:
     provider = DoubleProvider()
-    broker = serve(provider, Physics(max_output_tokens=600))
+    model = serve(provider, Physics(max_output_tokens=600))
 
-    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": value})
+    status, text, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": value})
 
     assert status == 400
     assert "X-Ouroboros-Max-Output-Tokens must be one integer from 1 to 600" in text
     assert provider.asked == []
-    [call] = broker.calls
+    [call] = model.calls
     assert (call.status, call.prompt, call.requested_output_tokens) == (400, "p", None)
     assert call.cost_usd == call.reserved_usd == 0
-    assert broker.spent_usd == 0
+    assert model.spent_usd == 0
 
 
 def test_repeated_token_header_is_400(serve: Serve) -> None:
-    broker = serve(DoubleProvider())
+    model = serve(DoubleProvider())
     head = (
         b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 1\r\n"
         b"X-Ouroboros-Max-Output-Tokens: 5\r\nX-Ouroboros-Max-Output-Tokens: 6\r\n\r\n"
     )
 
-    answer = raw_request(broker, head, b"p")
+    answer = raw_request(model, head, b"p")
 
     assert answer.startswith(b"HTTP/1.1 400 ")
 
 
 def test_non_utf8_prompt_is_400_and_audited_with_the_raw_bytes_hash(serve: Serve) -> None:
     provider = DoubleProvider()
-    broker = serve(provider)
+    model = serve(provider)
     body = b"caf\xe9 \xff"
 
-    status, text, _ = request(broker, body)
+    status, text, _ = request(model, body)
 
     assert (status, text) == (400, "the prompt is not valid UTF-8\n")
     assert provider.asked == []
-    [call] = broker.calls
+    [call] = model.calls
     assert call.prompt_sha256 == hashlib.sha256(body).hexdigest()
     assert call.prompt == body.decode("utf-8", errors="replace")
     assert call.error == "the prompt is not valid UTF-8"
@@ -188,9 +188,9 @@ def test_non_utf8_prompt_is_400_and_audited_with_the_raw_bytes_hash(serve: Serve
 
 def test_empty_prompt_is_400(serve: Serve) -> None:
     provider = DoubleProvider()
-    broker = serve(provider)
+    model = serve(provider)
 
-    status, text, _ = request(broker, b"")
+    status, text, _ = request(model, b"")
 
     assert (status, text) == (400, "the prompt is empty\n")
     assert provider.asked == []
@@ -198,23 +198,23 @@ def test_empty_prompt_is_400(serve: Serve) -> None:
 
 def test_prompt_over_the_limit_is_400_without_keeping_it(serve: Serve) -> None:
     provider = DoubleProvider()
-    broker = serve(provider, Physics(max_prompt_bytes=64))
+    model = serve(provider, Physics(max_prompt_bytes=64))
 
-    at_limit, _, _ = request(broker, b"x" * 64)
-    status, text, _ = request(broker, b"x" * 65)
+    at_limit, _, _ = request(model, b"x" * 64)
+    status, text, _ = request(model, b"x" * 65)
 
     assert at_limit == 200
     assert (status, text) == (400, "the prompt is over max_prompt_bytes (64 bytes)\n")
     assert len(provider.asked) == 1
-    assert [call.status for call in broker.calls] == [200]
+    assert [call.status for call in model.calls] == [200]
 
 
 def test_content_length_is_not_trusted_beyond_the_limit(serve: Serve) -> None:
-    broker = serve(DoubleProvider(), Physics(max_prompt_bytes=64))
+    model = serve(DoubleProvider(), Physics(max_prompt_bytes=64))
     head = b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 99999999999\r\n\r\n"
 
     started = time.monotonic()
-    answer = raw_request(broker, head, b"short")
+    answer = raw_request(model, head, b"short")
 
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert answer.endswith(b"the prompt is over max_prompt_bytes (64 bytes)\n")
@@ -233,120 +233,120 @@ def test_content_length_is_not_trusted_beyond_the_limit(serve: Serve) -> None:
 )
 def test_missing_or_ambiguous_content_length_is_400(serve: Serve, head: bytes) -> None:
     provider = DoubleProvider()
-    broker = serve(provider)
+    model = serve(provider)
 
-    answer = raw_request(broker, head, b"2\r\nhi\r\n0\r\n\r\n")
+    answer = raw_request(model, head, b"2\r\nhi\r\n0\r\n\r\n")
 
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert provider.asked == []
-    assert broker.calls == []
+    assert model.calls == []
 
 
 def test_http11_request_without_host_is_400_naming_the_header(serve: Serve) -> None:
     provider = DoubleProvider()
-    broker = serve(provider)
+    model = serve(provider)
 
-    answer = raw_request(broker, b"POST /generate HTTP/1.1\r\nContent-Length: 1\r\n\r\n", b"p")
+    answer = raw_request(model, b"POST /generate HTTP/1.1\r\nContent-Length: 1\r\n\r\n", b"p")
 
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert b"Host" in answer.split(b"\r\n\r\n", 1)[1]
     assert provider.asked == []
-    assert broker.calls == []
+    assert model.calls == []
 
 
 def test_body_shorter_than_its_content_length_is_400(serve: Serve) -> None:
-    broker = serve(DoubleProvider())
+    model = serve(DoubleProvider())
 
     head = b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 10\r\n\r\n"
 
-    answer = raw_request(broker, head, b"abc")
+    answer = raw_request(model, head, b"abc")
 
     assert answer.startswith(b"HTTP/1.1 400 ")
     assert answer.endswith(b"the body ended before Content-Length bytes arrived\n")
 
 
 def test_unknown_path_is_404_and_wrong_method_is_405(serve: Serve) -> None:
-    broker = serve(DoubleProvider())
+    model = serve(DoubleProvider())
 
-    not_found, _, _ = request(broker, path="/v1/messages")
-    wrong_method, _, response = request(broker, method="GET", body=b"")
+    not_found, _, _ = request(model, path="/v1/messages")
+    wrong_method, _, response = request(model, method="GET", body=b"")
 
     assert not_found == 404
     assert wrong_method == 405
     assert response.getheader("Allow") == "POST"
-    assert broker.calls == []
+    assert model.calls == []
 
 
 def test_call_that_cannot_fit_the_budget_is_402_and_never_reaches_the_model(
     serve: Serve,
 ) -> None:
     provider = DoubleProvider()
-    broker = serve(provider, Physics(budget_usd=Decimal("0.000100")))
+    model = serve(provider, Physics(budget_usd=Decimal("0.000100")))
 
-    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "1"})
+    status, text, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "1"})
 
     assert status == 402
     assert text.startswith("budget exhausted")
     assert provider.asked == []
-    [call] = broker.calls
+    [call] = model.calls
     assert call.status == 402
     assert call.reserved_usd == call.cost_usd == 0
     assert "exceeds the remaining USD 0.000100" in (call.error or "")
-    assert broker.spent_usd == 0
+    assert model.spent_usd == 0
 
 
 def test_budget_spent_by_earlier_calls_makes_a_later_one_402(serve: Serve) -> None:
     # Worst cases: 100 output tokens USD 0.009194, 1 token USD 0.008204. The first call
     # is charged USD 0.009, leaving 0.0085: room for the small call, not the large one.
-    broker = serve(DoubleProvider(usage=(4000, 100)), Physics(budget_usd=Decimal("0.0175")))
+    model = serve(DoubleProvider(usage=(4000, 100)), Physics(budget_usd=Decimal("0.0175")))
 
-    first, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "100"})
-    second, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "100"})
-    smaller, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "1"})
+    first, _, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "100"})
+    second, _, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "100"})
+    smaller, _, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "1"})
 
     assert (first, second, smaller) == (200, 402, 200)
-    assert broker.spent_usd == sum((c.cost_usd for c in broker.calls), Decimal(0))
-    assert broker.spent_usd <= broker.physics.budget_usd
+    assert model.spent_usd == sum((c.cost_usd for c in model.calls), Decimal(0))
+    assert model.spent_usd <= model.physics.budget_usd
 
 
 def test_model_refusal_is_502_and_fully_refunded(serve: Serve) -> None:
-    broker = serve(DoubleProvider(error=ProviderUnavailable("double answered HTTP 529")))
+    model = serve(DoubleProvider(error=ProviderUnavailable("double answered HTTP 529")))
 
-    status, text, _ = request(broker)
+    status, text, _ = request(model)
 
     assert (status, text) == (502, "model unavailable\n")
-    [call] = broker.calls
+    [call] = model.calls
     assert call.status == 502
     assert call.reserved_usd > 0
     assert call.cost_usd == 0
     assert call.response is None
     assert call.error == "double answered HTTP 529"
-    assert broker.spent_usd == 0
+    assert model.spent_usd == 0
 
 
 def test_answer_lost_after_the_model_got_the_request_is_502_and_keeps_the_reservation(
     serve: Serve,
 ) -> None:
     failure = ProviderUnavailable("double connection lost", may_have_billed=True)
-    broker = serve(DoubleProvider(error=failure))
+    model = serve(DoubleProvider(error=failure))
 
-    status, _, _ = request(broker)
+    status, _, _ = request(model)
 
-    [call] = broker.calls
+    [call] = model.calls
     assert status == 502
     assert call.cost_usd == call.reserved_usd > 0
-    assert broker.spent_usd == call.reserved_usd
+    assert model.spent_usd == call.reserved_usd
 
 
 def test_model_silent_past_the_request_timeout_is_502(serve: Serve) -> None:
-    broker = serve(DoubleProvider(delay_seconds=3), Physics(model_timeout_seconds=1))
+    model = serve(DoubleProvider(delay_seconds=3), Physics(model_timeout_seconds=1))
 
     started = time.monotonic()
-    status, text, _ = request(broker)
+    status, text, _ = request(model)
 
     assert (status, text) == (502, "model unavailable\n")
     assert time.monotonic() - started < 2.5
-    [call] = broker.calls
+    [call] = model.calls
     assert call.error == "no answer within 1 s"
     assert call.cost_usd == call.reserved_usd
 
@@ -355,45 +355,45 @@ def test_call_still_waiting_when_the_generation_ends_is_recorded_and_keeps_its_r
     tmp_path: Path,
 ) -> None:
     provider = DoubleProvider(delay_seconds=1)
-    broker = ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT)
+    model = ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT)
     statuses: list[int] = []
-    with broker:
-        caller = threading.Thread(target=lambda: statuses.append(request(broker)[0]))
+    with model:
+        caller = threading.Thread(target=lambda: statuses.append(request(model)[0]))
         caller.start()
         while not provider.asked:
             time.sleep(0.01)
         started = time.monotonic()
     assert time.monotonic() - started < 0.5  # exit does not wait for the model
 
-    [call] = broker.calls
+    [call] = model.calls
     assert call.status == 502
     assert call.error == "the generation ended before the model answered"
     assert call.cost_usd == call.reserved_usd > 0
-    assert broker.spent_usd == call.reserved_usd
+    assert model.spent_usd == call.reserved_usd
     provider.answered.wait(5)
     caller.join(5)
     assert statuses == [502]
-    assert len(broker.calls) == 1
-    assert broker.spent_usd == call.reserved_usd
+    assert len(model.calls) == 1
+    assert model.spent_usd == call.reserved_usd
 
 
 def test_provider_bug_is_502_not_a_dead_socket(serve: Serve) -> None:
-    broker = serve(DoubleProvider(error=KeyError("usage")))
+    model = serve(DoubleProvider(error=KeyError("usage")))
 
-    status, _, _ = request(broker)
-    again, _, _ = request(broker)
+    status, _, _ = request(model)
+    again, _, _ = request(model)
 
     assert (status, again) == (502, 502)
-    assert broker.calls[0].error == "double failed: KeyError"
+    assert model.calls[0].error == "double failed: KeyError"
 
 
 def test_answers_to_the_organism_never_name_provider_model_or_cost(serve: Serve) -> None:
-    broker = serve(DoubleProvider(error=ProviderUnavailable("double-model at http://x failed")))
+    model = serve(DoubleProvider(error=ProviderUnavailable("double-model at http://x failed")))
 
     texts = [
-        request(broker)[1],
-        request(broker, b"\xff")[1],
-        request(broker, headers={"X-Ouroboros-Max-Output-Tokens": "0"})[1],
+        request(model)[1],
+        request(model, b"\xff")[1],
+        request(model, headers={"X-Ouroboros-Max-Output-Tokens": "0"})[1],
     ]
 
     for text in texts:
@@ -401,21 +401,21 @@ def test_answers_to_the_organism_never_name_provider_model_or_cost(serve: Serve)
 
 
 def test_lone_surrogates_from_a_vendor_are_repaired_for_socket_and_record(serve: Serve) -> None:
-    broker = serve(DoubleProvider(text="ok \ud800 end"))
+    model = serve(DoubleProvider(text="ok \ud800 end"))
 
-    status, text, _ = request(broker)
+    status, text, _ = request(model)
 
     assert (status, text) == (200, "ok ? end")
-    assert broker.calls[0].response == "ok ? end"
-    broker.calls[0].model_dump_json()
+    assert model.calls[0].response == "ok ? end"
+    model.calls[0].model_dump_json()
 
 
 def test_concurrent_calls_are_each_audited_once_and_charged_exactly(serve: Serve) -> None:
-    broker = serve(DoubleProvider(delay_seconds=0.05), Physics(budget_usd=Decimal("0.4")))
+    model = serve(DoubleProvider(delay_seconds=0.05), Physics(budget_usd=Decimal("0.4")))
     statuses: list[int] = []
 
     def call(number: int) -> None:
-        statuses.append(request(broker, f"prompt {number}".encode())[0])
+        statuses.append(request(model, f"prompt {number}".encode())[0])
 
     # As many callers as the socket serves at once; one more would get the 503 refusal.
     threads = [threading.Thread(target=call, args=(n,)) for n in range(MAX_CONNECTIONS)]
@@ -424,15 +424,15 @@ def test_concurrent_calls_are_each_audited_once_and_charged_exactly(serve: Serve
     for thread in threads:
         thread.join()
 
-    calls = broker.calls
+    calls = model.calls
     assert sorted(statuses) == sorted(c.status for c in calls)
     assert [c.index for c in calls] == list(range(1, MAX_CONNECTIONS + 1))
     assert {c.prompt for c in calls} == {f"prompt {n}" for n in range(MAX_CONNECTIONS)}
     # USD 0.4 holds 3 worst cases of 0.128 at a time: overlapping calls beyond that get 402.
     assert set(statuses) <= {200, 402}
     assert statuses.count(200) >= 3
-    assert broker.spent_usd == sum((c.cost_usd for c in calls), Decimal(0))
-    assert broker.spent_usd <= Decimal("0.4")
+    assert model.spent_usd == sum((c.cost_usd for c in calls), Decimal(0))
+    assert model.spent_usd <= Decimal("0.4")
 
 
 def test_socket_is_private_to_the_worker_uid_and_removed_at_exit(tmp_path: Path) -> None:
@@ -441,10 +441,10 @@ def test_socket_is_private_to_the_worker_uid_and_removed_at_exit(tmp_path: Path)
     stale.bind(str(path))
     stale.close()
 
-    with ModelSocket(path, DoubleProvider(), Physics(), CONTEXT) as broker:
+    with ModelSocket(path, DoubleProvider(), Physics(), CONTEXT) as model:
         assert stat.S_ISSOCK(path.stat().st_mode)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert request(broker)[0] == 200
+        assert request(model)[0] == 200
 
     assert not path.exists()
 
@@ -453,23 +453,23 @@ def test_socket_is_private_to_the_worker_uid_and_removed_at_exit(tmp_path: Path)
 def test_socket_handed_to_the_sandbox_uid_stays_private_to_it(tmp_path: Path) -> None:
     path = tmp_path / "model.sock"
 
-    with ModelSocket(path, DoubleProvider(), Physics(), CONTEXT, owner=(65534, 65533)) as broker:
+    with ModelSocket(path, DoubleProvider(), Physics(), CONTEXT, owner=(65534, 65533)) as model:
         status = path.stat()
         assert (status.st_uid, status.st_gid) == (65534, 65533)
         assert stat.S_IMODE(status.st_mode) == 0o600
-        assert request(broker)[0] == 200
+        assert request(model)[0] == 200
 
     assert not path.exists()
 
 
 def test_scripted_provider_through_the_socket_answers_the_marked_source(serve: Serve) -> None:
-    broker = serve(make_provider("scripted", None, Settings()))
+    model = serve(make_provider("scripted", None, Settings()))
 
-    status, text, _ = request(broker, b"rewrite yourself")
+    status, text, _ = request(model, b"rewrite yourself")
 
     assert status == 200
     assert text == "(setq organism-ok t)\n;; scripted stand-in edit: generation 2\n"
-    assert broker.spent_usd == broker.calls[0].cost_usd > 0
+    assert model.spent_usd == model.calls[0].cost_usd > 0
 
 
 def test_capabilities_disclose_the_abi_and_physics_but_no_provider_model_price_or_key() -> None:
@@ -503,23 +503,23 @@ def test_capabilities_disclose_the_abi_and_physics_but_no_provider_model_price_o
 def test_every_answer_says_how_the_model_stopped_in_a_header_and_in_the_record(
     serve: Serve, stop: StopReason
 ) -> None:
-    broker = serve(DoubleProvider(stop_reason=stop))
+    model = serve(DoubleProvider(stop_reason=stop))
 
-    status, text, response = request(broker)
+    status, text, response = request(model)
 
     assert (status, text) == (200, "the answer ✓")
     assert response.getheader("X-Ouroboros-Stop-Reason") == stop
-    assert broker.calls[0].stop_reason == stop
+    assert model.calls[0].stop_reason == stop
 
 
 def test_a_failed_call_has_no_stop_reason(serve: Serve) -> None:
-    broker = serve(DoubleProvider(error=ProviderUnavailable("double answered HTTP 400")))
+    model = serve(DoubleProvider(error=ProviderUnavailable("double answered HTTP 400")))
 
-    status, _, response = request(broker)
+    status, _, response = request(model)
 
     assert status == 502
     assert response.getheader("X-Ouroboros-Stop-Reason") is None
-    assert broker.calls[0].stop_reason is None
+    assert model.calls[0].stop_reason is None
 
 
 def test_capabilities_document_the_stop_reason_header_and_each_value() -> None:
@@ -565,13 +565,13 @@ def test_a_passing_failure_is_tried_again_and_the_organism_gets_the_answer(
     serve: Serve, failure: ProviderUnavailable
 ) -> None:
     provider = DoubleProvider(failures=[failure])
-    broker = serve(provider)
+    model = serve(provider)
 
-    status, text, _ = request(broker)
+    status, text, _ = request(model)
 
     assert (status, text) == (200, "the answer ✓")
     assert len(provider.asked) == 2
-    [call] = broker.calls
+    [call] = model.calls
     first, second = call.attempts
     assert (first.number, first.outcome, first.error) == (1, "failed", str(failure))
     assert first.vendor_status == failure.status
@@ -594,43 +594,43 @@ def test_backoff_doubles_up_to_its_cap_drawn_from_the_upper_half_unless_the_vend
 
 
 def test_the_wait_before_the_next_attempt_is_what_the_vendor_asked_for(serve: Serve) -> None:
-    broker = serve(DoubleProvider(failures=[passing(429, retry_after=0.3)]))
+    model = serve(DoubleProvider(failures=[passing(429, retry_after=0.3)]))
 
     started = time.monotonic()
-    status, _, _ = request(broker)
+    status, _, _ = request(model)
 
     assert status == 200
     assert time.monotonic() - started >= 0.3
-    first = broker.calls[0].attempts[0]
+    first = model.calls[0].attempts[0]
     assert first.retry_after_seconds == first.backoff_seconds == 0.3
 
 
 def test_a_failure_that_is_not_passing_is_not_tried_again(serve: Serve) -> None:
     provider = DoubleProvider(error=ProviderUnavailable("double answered HTTP 401", status=401))
-    broker = serve(provider)
+    model = serve(provider)
 
-    assert request(broker)[0] == 502
+    assert request(model)[0] == 502
 
     assert len(provider.asked) == 1
-    [attempt] = broker.calls[0].attempts
+    [attempt] = model.calls[0].attempts
     assert (attempt.vendor_status, attempt.backoff_seconds) == (401, None)
 
 
 def test_attempts_stop_at_the_policy_maximum_and_failed_ones_cost_nothing(serve: Serve) -> None:
     provider = DoubleProvider(error=passing(529))
-    broker = serve(provider, retry=RetryPolicy(max_attempts=3, first_backoff_seconds=0.01))
+    model = serve(provider, retry=RetryPolicy(max_attempts=3, first_backoff_seconds=0.01))
 
-    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+    status, text, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
 
     assert (status, text) == (502, "model unavailable\n")
     assert len(provider.asked) == 3
-    [call] = broker.calls
+    [call] = model.calls
     assert [a.vendor_status for a in call.attempts] == [529, 529, 529]
     assert [a.backoff_seconds is None for a in call.attempts] == [False, False, True]
     assert call.error == "double answered HTTP 529"
     # One reservation held across the attempts, refunded whole at the end.
     assert call.reserved_usd == PRICES.cost_usd(1 + FRAMING_TOKENS, 30)
-    assert call.cost_usd == broker.spent_usd == 0
+    assert call.cost_usd == model.spent_usd == 0
     assert all(a.cost_usd == 0 for a in call.attempts)
 
 
@@ -638,27 +638,27 @@ def test_a_vendor_asking_for_a_wait_past_the_deadline_ends_the_call_at_once(
     serve: Serve,
 ) -> None:
     provider = DoubleProvider(error=passing(429, retry_after=30))
-    broker = serve(provider, Physics(model_timeout_seconds=10))
+    model = serve(provider, Physics(model_timeout_seconds=10))
 
     started = time.monotonic()
-    status, _, _ = request(broker)
+    status, _, _ = request(model)
 
     assert status == 502
     assert time.monotonic() - started < 5
     assert len(provider.asked) == 1
-    assert broker.calls[0].attempts[0].backoff_seconds is None
+    assert model.calls[0].attempts[0].backoff_seconds is None
 
 
 def test_retries_never_run_past_the_call_deadline(serve: Serve) -> None:
     provider = DoubleProvider(error=passing(503), delay_seconds=0.3)
-    broker = serve(provider, Physics(model_timeout_seconds=1))
+    model = serve(provider, Physics(model_timeout_seconds=1))
 
     started = time.monotonic()
-    status, _, _ = request(broker)
+    status, _, _ = request(model)
 
     assert status == 502
     assert time.monotonic() - started < 2.5
-    [call] = broker.calls
+    [call] = model.calls
     assert 2 <= len(call.attempts) <= 4
     assert call.attempts[-1].backoff_seconds is None
 
@@ -667,17 +667,17 @@ def test_an_attempt_the_vendor_may_have_billed_keeps_its_reservation_and_the_ret
     serve: Serve,
 ) -> None:
     provider = DoubleProvider(failures=[passing(billed=True)], usage=(100, 20))
-    broker = serve(provider, Physics(max_output_tokens=50))
+    model = serve(provider, Physics(max_output_tokens=50))
 
-    status, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+    status, _, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
 
     worst, used = PRICES.cost_usd(1 + FRAMING_TOKENS, 30), PRICES.cost_usd(100, 20)
     assert status == 200
-    [call] = broker.calls
+    [call] = model.calls
     assert [a.cost_usd for a in call.attempts] == [worst, used]
     assert call.attempts[0].may_have_billed
     assert call.reserved_usd == 2 * worst
-    assert call.cost_usd == worst + used == broker.spent_usd
+    assert call.cost_usd == worst + used == model.spent_usd
 
 
 def test_no_retry_after_a_possibly_billed_attempt_when_the_budget_cannot_cover_another(
@@ -685,29 +685,29 @@ def test_no_retry_after_a_possibly_billed_attempt_when_the_budget_cannot_cover_a
 ) -> None:
     worst = PRICES.cost_usd(1 + FRAMING_TOKENS, 30)
     provider = DoubleProvider(failures=[passing(billed=True)])
-    broker = serve(provider, Physics(budget_usd=worst * 3 / 2))
+    model = serve(provider, Physics(budget_usd=worst * 3 / 2))
 
-    status, _, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+    status, _, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
 
     assert status == 502
     assert len(provider.asked) == 1
-    [call] = broker.calls
-    assert call.cost_usd == call.reserved_usd == worst == broker.spent_usd
+    [call] = model.calls
+    assert call.cost_usd == call.reserved_usd == worst == model.spent_usd
     assert "cannot cover another attempt" in (call.error or "")
     assert call.attempts[0].backoff_seconds is None
 
 
 def test_an_answer_without_usage_is_kept_and_charged_its_whole_reservation(serve: Serve) -> None:
-    broker = serve(DoubleProvider(usage=None))
+    model = serve(DoubleProvider(usage=None))
 
-    status, text, _ = request(broker, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
+    status, text, _ = request(model, b"p", {"X-Ouroboros-Max-Output-Tokens": "30"})
 
     assert (status, text) == (200, "the answer ✓")
-    [call] = broker.calls
+    [call] = model.calls
     assert call.usage_reported is False
     assert (call.input_tokens, call.output_tokens) == (0, 0)
     assert call.cost_usd == call.reserved_usd == PRICES.cost_usd(1 + FRAMING_TOKENS, 30)
-    assert broker.spent_usd == call.cost_usd
+    assert model.spent_usd == call.cost_usd
 
 
 # --- the cap on calls to a provider ---------------------------------------------------------
@@ -715,16 +715,16 @@ def test_an_answer_without_usage_is_kept_and_charged_its_whole_reservation(serve
 
 def test_waiting_for_the_cap_is_recorded_on_the_attempt(serve: Serve) -> None:
     provider = DoubleProvider(delay_seconds=0.5)
-    broker = serve(provider, throttle=LocalThrottle(Cap(concurrent_calls=1)))
+    model = serve(provider, throttle=LocalThrottle(Cap(concurrent_calls=1)))
 
-    callers = [threading.Thread(target=request, args=(broker,)) for _ in range(2)]
+    callers = [threading.Thread(target=request, args=(model,)) for _ in range(2)]
     for caller in callers:
         caller.start()
     for caller in callers:
         caller.join()
 
-    assert [c.status for c in broker.calls] == [200, 200]
-    waits = sorted(c.attempts[0].cap_wait_seconds for c in broker.calls)
+    assert [c.status for c in model.calls] == [200, 200]
+    waits = sorted(c.attempts[0].cap_wait_seconds for c in model.calls)
     assert waits[0] < 0.3 <= waits[1]
 
 
@@ -732,18 +732,18 @@ def test_a_call_that_finds_no_room_under_the_cap_before_its_deadline_is_502_and_
     serve: Serve,
 ) -> None:
     provider = DoubleProvider()
-    broker = serve(
+    model = serve(
         provider,
         Physics(model_timeout_seconds=1),
         throttle=LocalThrottle(Cap(requests_per_minute=1)),
     )
 
-    first, _, _ = request(broker)
-    second, text, _ = request(broker)
+    first, _, _ = request(model)
+    second, text, _ = request(model)
 
     assert (first, second, text) == (200, 502, "model unavailable\n")
     assert len(provider.asked) == 1
-    call = broker.calls[1]
+    call = model.calls[1]
     [attempt] = call.attempts
     assert attempt.outcome == "no_slot"
     assert attempt.cap_wait_seconds >= 0.5
@@ -753,33 +753,33 @@ def test_a_call_that_finds_no_room_under_the_cap_before_its_deadline_is_502_and_
 
 
 def test_the_offline_stand_in_is_never_capped(serve: Serve) -> None:
-    broker = serve(
+    model = serve(
         make_provider("scripted", None, Settings()),
         Physics(model_timeout_seconds=1),
         throttle=LocalThrottle(Cap(requests_per_minute=1)),
     )
 
-    assert [request(broker)[0] for _ in range(3)] == [200, 200, 200]
+    assert [request(model)[0] for _ in range(3)] == [200, 200, 200]
 
 
 def test_a_call_waiting_for_the_cap_when_the_life_ends_is_recorded_and_refunded(
     tmp_path: Path,
 ) -> None:
-    broker = ModelSocket(
+    model = ModelSocket(
         tmp_path / "model.sock",
         DoubleProvider(),
         Physics(),
         CONTEXT,
         throttle=LocalThrottle(Cap(requests_per_minute=1)),
     )
-    with broker:
-        assert request(broker)[0] == 200
-        caller = threading.Thread(target=request, args=(broker,))
+    with model:
+        assert request(model)[0] == 200
+        caller = threading.Thread(target=request, args=(model,))
         caller.start()
         time.sleep(0.5)
     caller.join(10)
 
-    [_, waiting] = broker.calls
+    [_, waiting] = model.calls
     assert waiting.status == 502
     assert waiting.error == "the generation ended before the model answered"
     assert waiting.cost_usd == 0
@@ -843,7 +843,7 @@ Return the answer as a string.  On any status but 200 signal
 
 
 def run_elisp_client(
-    broker: ModelSocket, tmp_path: Path, prompt_form: str, max_tokens: int
+    model: ModelSocket, tmp_path: Path, prompt_form: str, max_tokens: int
 ) -> tuple[str, str]:
     """Load the client in emacs -Q --batch, call it, return (answer file text, stdout)."""
     client = tmp_path / "client.el"
@@ -851,7 +851,7 @@ def run_elisp_client(
     answer = tmp_path / "answer.txt"
     program = f"""
       (progn
-        (setq organism-model-socket {json.dumps(str(broker.socket_path))})
+        (setq organism-model-socket {json.dumps(str(model.socket_path))})
         (condition-case err
             (let ((coding-system-for-write 'utf-8))
               (write-region (organism--generate {prompt_form} {max_tokens})
@@ -874,9 +874,9 @@ def test_emacs_lisp_organism_gets_the_model_answer_through_the_socket(
     serve: Serve, tmp_path: Path
 ) -> None:
     provider = DoubleProvider(text='(setq next-body "é ✓")\n')
-    broker = serve(provider)
+    model = serve(provider)
 
-    answer, printed = run_elisp_client(broker, tmp_path, '"réécris-toi ✓"', 77)
+    answer, printed = run_elisp_client(model, tmp_path, '"réécris-toi ✓"', 77)
 
     assert printed == ""
     assert answer == '(setq next-body "é ✓")\n'
@@ -885,10 +885,10 @@ def test_emacs_lisp_organism_gets_the_model_answer_through_the_socket(
 
 @pytest.mark.full
 def test_emacs_lisp_organism_sees_error_status_and_reason(serve: Serve, tmp_path: Path) -> None:
-    broker = serve(DoubleProvider(), Physics(max_prompt_bytes=1000, budget_usd=Decimal(0)))
+    model = serve(DoubleProvider(), Physics(max_prompt_bytes=1000, budget_usd=Decimal(0)))
 
-    _, budget = run_elisp_client(broker, tmp_path, '"hi"', 5)
-    _, too_big = run_elisp_client(broker, tmp_path, "(make-string 300000 ?é)", 5)
+    _, budget = run_elisp_client(model, tmp_path, '"hi"', 5)
+    _, too_big = run_elisp_client(model, tmp_path, "(make-string 300000 ?é)", 5)
 
     assert budget.startswith('(402 "budget exhausted')
     assert too_big == '(400 "the prompt is over max_prompt_bytes (1000 bytes)")'

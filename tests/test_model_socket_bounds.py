@@ -1,8 +1,8 @@
 """The model socket against a hostile organism: connection cap, header bloat, stalled and
 dripping requests, a flood of idle connections; all over real Unix sockets.
 
-The flood runs the broker in a subprocess of its own, so that the memory and threads
-measured are the broker's alone; pytest -s shows the figures.
+The flood runs the model socket in a subprocess of its own, so that the memory and threads
+measured are the model socket's alone; pytest -s shows the figures.
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def no_traceback_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Serve]:
-    """Start a broker on tmp_path/model.sock; stopped at teardown."""
+    """Start a model socket on tmp_path/model.sock; stopped at teardown."""
     with contextlib.ExitStack() as stack:
 
         def start(provider: Provider, physics: Physics | None = None) -> ModelSocket:
-            broker = ModelSocket(tmp_path / "model.sock", provider, physics or Physics(), CONTEXT)
-            return stack.enter_context(broker)
+            model = ModelSocket(tmp_path / "model.sock", provider, physics or Physics(), CONTEXT)
+            return stack.enter_context(model)
 
         yield start
 
@@ -117,10 +117,10 @@ def test_a_connection_beyond_the_cap_is_refused_at_once_and_those_within_it_stil
     serve: Serve,
 ) -> None:
     provider = DoubleProvider()
-    broker = serve(provider, Physics(budget_usd=Decimal(10)))
-    held = hold(broker.socket_path, MAX_CONNECTIONS, b"")
+    model = serve(provider, Physics(budget_usd=Decimal(10)))
+    held = hold(model.socket_path, MAX_CONNECTIONS, b"")
 
-    extra = connect(broker.socket_path, timeout=REQUEST_SECONDS / 2)
+    extra = connect(model.socket_path, timeout=REQUEST_SECONDS / 2)
     refusal = read_until_closed(extra)  # before REQUEST_SECONDS: not a held one's deadline
 
     assert status_of(refusal) == 503
@@ -129,14 +129,14 @@ def test_a_connection_beyond_the_cap_is_refused_at_once_and_those_within_it_stil
         client.sendall(CALL)
     assert [status_of(read_until_closed(client)) for client in held] == [200] * MAX_CONNECTIONS
     assert len(provider.asked) == MAX_CONNECTIONS
-    assert request(broker)[0] == 200
+    assert request(model)[0] == 200
 
 
 def test_a_header_bloated_request_is_answered_431_and_closed_without_being_read_in_full(
     serve: Serve,
 ) -> None:
-    broker = serve(DoubleProvider())
-    client = connect(broker.socket_path)
+    model = serve(DoubleProvider())
+    client = connect(model.socket_path)
     sent: list[BaseException] = []
 
     def send_bloat() -> None:
@@ -157,8 +157,8 @@ def test_a_header_bloated_request_is_answered_431_and_closed_without_being_read_
     )
     # A mebibyte does not fit the socket's buffers: the rest of it was never read.
     assert len(sent) == 1 and isinstance(sent[0], BrokenPipeError | ConnectionResetError)
-    assert broker.calls == []
-    assert request(broker)[0] == 200
+    assert model.calls == []
+    assert request(model)[0] == 200
 
 
 def drip(client: socket.socket, data: bytes) -> None:
@@ -179,8 +179,8 @@ def test_a_client_too_slow_to_send_its_request_is_answered_408_and_dropped_at_th
     # covers the whole request, so a client sending a byte now and then gains nothing.
     monkeypatch.setattr(model_socket, "REQUEST_SECONDS", 1)
     provider = DoubleProvider()
-    broker = serve(provider)
-    client = connect(broker.socket_path)
+    model = serve(provider)
+    client = connect(model.socket_path)
     if behaviour == "drips bytes":
         threading.Thread(target=drip, args=(client, CALL), daemon=True).start()
     else:
@@ -192,16 +192,16 @@ def test_a_client_too_slow_to_send_its_request_is_answered_408_and_dropped_at_th
     assert status_of(answer) == 408
     assert answer.endswith(b"the request did not arrive within 1 s of connecting\n")
     assert provider.asked == []
-    assert request(broker)[0] == 200
+    assert request(model)[0] == 200
 
 
 def test_a_legitimate_call_succeeds_while_the_organism_holds_the_other_connections_open(
     serve: Serve,
 ) -> None:
-    broker = serve(DoubleProvider())
-    held = hold(broker.socket_path, MAX_CONNECTIONS - 1)
+    model = serve(DoubleProvider())
+    held = hold(model.socket_path, MAX_CONNECTIONS - 1)
 
-    status, text, _ = request(broker)
+    status, text, _ = request(model)
 
     assert (status, text) == (200, "the answer ✓")
     for client in held:
@@ -210,8 +210,8 @@ def test_a_legitimate_call_succeeds_while_the_organism_holds_the_other_connectio
 
 def test_a_second_request_on_the_same_connection_is_never_read(serve: Serve) -> None:
     provider = DoubleProvider()
-    broker = serve(provider)
-    client = connect(broker.socket_path)
+    model = serve(provider)
+    client = connect(model.socket_path)
 
     client.sendall(CALL + CALL)
     answer = read_until_closed(client)
@@ -222,14 +222,14 @@ def test_a_second_request_on_the_same_connection_is_never_read(serve: Serve) -> 
     assert len(provider.asked) == 1
 
 
-def test_leaving_the_broker_closes_every_connection_at_once_and_answers_a_waiting_call_502(
+def test_leaving_the_model_socket_closes_every_connection_at_once_and_answers_a_waiting_call_502(
     tmp_path: Path,
 ) -> None:
     provider = DoubleProvider(delay_seconds=2)
-    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as broker:
-        waiting = connect(broker.socket_path)
+    with ModelSocket(tmp_path / "model.sock", provider, Physics(), CONTEXT) as model:
+        waiting = connect(model.socket_path)
         waiting.sendall(CALL)
-        idle = hold(broker.socket_path, MAX_CONNECTIONS - 1)
+        idle = hold(model.socket_path, MAX_CONNECTIONS - 1)
         wait_for(lambda: provider.asked)
         started = time.monotonic()
     took = time.monotonic() - started
@@ -237,7 +237,7 @@ def test_leaving_the_broker_closes_every_connection_at_once_and_answers_a_waitin
     assert took < 1
     assert status_of(read_until_closed(waiting)) == 502
     assert [read_until_closed(client) for client in idle] == [b""] * len(idle)
-    [call] = broker.calls
+    [call] = model.calls
     assert call.error == "the generation ended before the model answered"
     assert call.cost_usd == call.reserved_usd > 0
 
@@ -265,34 +265,34 @@ def test_calls_abandoned_at_their_deadline_hold_at_most_the_cap_in_threads_and_a
 ) -> None:
     provider = StuckProvider()
     physics = Physics(model_timeout_seconds=1, budget_usd=Decimal(10))
-    # A context of its own names this broker's model threads apart from other tests'.
+    # A context of its own names this model socket's threads apart from other tests'.
     context = GenerationContext(lineage="stuck", generation=1, organism_source="")
-    with ModelSocket(tmp_path / "model.sock", provider, physics, context) as broker:
-        stuck = hold(broker.socket_path, MAX_CONNECTIONS, CALL)
+    with ModelSocket(tmp_path / "model.sock", provider, physics, context) as model:
+        stuck = hold(model.socket_path, MAX_CONNECTIONS, CALL)
         abandoned = [status_of(read_until_closed(client)) for client in stuck]
-        queued, _, _ = request(broker)  # every model thread still waits on an abandoned call
+        queued, _, _ = request(model)  # every model thread still waits on an abandoned call
         threads = [t for t in threading.enumerate() if t.name.startswith("model-call-stuck-1-")]
         provider.release.set()
-        answered, _, _ = request(broker)
+        answered, _, _ = request(model)
 
     assert abandoned == [502] * MAX_CONNECTIONS
-    assert all(c.cost_usd == c.reserved_usd > 0 for c in broker.calls[:MAX_CONNECTIONS])
+    assert all(c.cost_usd == c.reserved_usd > 0 for c in model.calls[:MAX_CONNECTIONS])
     assert len(threads) == MAX_CONNECTIONS
     assert queued == 502
-    never_sent = broker.calls[MAX_CONNECTIONS]
+    never_sent = model.calls[MAX_CONNECTIONS]
     assert (never_sent.error, never_sent.cost_usd) == ("no answer within 1 s", 0)
     assert never_sent.reserved_usd > 0
     assert answered == 200
     assert len(provider.asked) == MAX_CONNECTIONS + 1
-    assert broker.spent_usd == sum((c.cost_usd for c in broker.calls), Decimal(0))
+    assert model.spent_usd == sum((c.cost_usd for c in model.calls), Decimal(0))
 
 
 def test_garbage_hang_ups_and_unread_answers_leave_no_traceback_and_the_socket_serving(
     serve: Serve,
 ) -> None:
     provider = DoubleProvider(delay_seconds=0.2)
-    broker = serve(provider)
-    path = broker.socket_path
+    model = serve(provider)
+    path = model.socket_path
     garbage = {
         b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)): 400,
         b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n": 404,
@@ -312,11 +312,11 @@ def test_garbage_hang_ups_and_unread_answers_leave_no_traceback_and_the_socket_s
         client.sendall(CALL[:-1])
     with connect(path) as client:  # leaves while the model thinks
         client.sendall(CALL)
-    wait_for(lambda: broker.calls)
+    wait_for(lambda: model.calls)
 
     assert answers == garbage
-    assert request(broker)[0] == 200
-    assert [c.status for c in broker.calls] == [200, 200]
+    assert request(model)[0] == 200
+    assert [c.status for c in model.calls] == [200, 200]
 
 
 def test_the_manifest_discloses_every_limit_the_socket_enforces() -> None:
@@ -339,10 +339,10 @@ def test_calls_past_the_generations_call_limit_are_refused_429_counted_and_never
 ) -> None:
     monkeypatch.setattr(model_socket, "MAX_CALLS", 3)
     provider = DoubleProvider()
-    broker = serve(provider)
-    statuses = [request(broker)[0] for _ in range(5)]
+    model = serve(provider)
+    statuses = [request(model)[0] for _ in range(5)]
     assert statuses == [200, 200, 200, 429, 429]
-    assert len(broker.calls) == 3 and broker.calls_over_limit == 2
+    assert len(model.calls) == 3 and model.calls_over_limit == 2
     assert len(provider.asked) == 3
 
 
@@ -351,11 +351,11 @@ def test_past_the_audited_text_cap_calls_keep_sizes_hashes_and_cost_but_not_thei
 ) -> None:
     # Room for the first call's prompt and answer, not for the second's.
     monkeypatch.setattr(model_socket, "AUDIT_TEXT_BYTES", 100)
-    broker = serve(DoubleProvider())
+    model = serve(DoubleProvider())
     prompt = b"p" * 60
-    assert request(broker, prompt)[0] == 200
-    assert request(broker, prompt)[0] == 200
-    first, second = broker.calls
+    assert request(model, prompt)[0] == 200
+    assert request(model, prompt)[0] == 200
+    first, second = model.calls
     assert (first.text_omitted, first.prompt) == (False, prompt.decode())
     assert (second.text_omitted, second.prompt, second.response) == (True, "", None)
     assert second.prompt_bytes == len(prompt) and second.prompt_sha256 == first.prompt_sha256
@@ -368,15 +368,15 @@ def test_the_audited_text_cap_counts_text_as_the_observation_spells_it(
 ) -> None:
     # 60 control bytes are 360 bytes of JSON: over a 100-byte cap from the first call.
     monkeypatch.setattr(model_socket, "AUDIT_TEXT_BYTES", 100)
-    broker = serve(DoubleProvider())
-    assert request(broker, b"\x01" * 60)[0] == 200
-    (call,) = broker.calls
+    model = serve(DoubleProvider())
+    assert request(model, b"\x01" * 60)[0] == 200
+    (call,) = model.calls
     assert call.text_omitted and call.prompt_bytes == 60
 
 
-# --- a flood, against a broker in a process of its own -----------------------------------
+# --- a flood, against a model socket in a process of its own -----------------------------
 
-BROKER_PROCESS = r"""
+MODEL_SOCKET_PROCESS = r"""
 import sys, time
 from decimal import Decimal
 from pathlib import Path
@@ -431,8 +431,8 @@ def test_a_flood_of_idle_and_header_bloated_connections_costs_few_threads_little
         assert hard >= FLOOD_SOCKETS, f"needs {FLOOD_SOCKETS} open files, the hard limit is {hard}"
         resource.setrlimit(resource.RLIMIT_NOFILE, (FLOOD_SOCKETS, hard))
     path = tmp_path / "model.sock"
-    broker = subprocess.Popen(
-        [sys.executable, "-c", BROKER_PROCESS, str(path)],
+    served = subprocess.Popen(
+        [sys.executable, "-c", MODEL_SOCKET_PROCESS, str(path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -445,13 +445,13 @@ def test_a_flood_of_idle_and_header_bloated_connections_costs_few_threads_little
     def sample() -> None:
         nonlocal peak_threads
         while not sampling.wait(0.005):
-            peak_threads = max(peak_threads, proc_status(broker.pid)["Threads"])
+            peak_threads = max(peak_threads, proc_status(served.pid)["Threads"])
 
     sampler = threading.Thread(target=sample)
     try:
-        assert broker.stdout is not None and broker.stdin is not None
-        assert broker.stdout.readline() == "serving\n"
-        before = proc_status(broker.pid)
+        assert served.stdout is not None and served.stdin is not None
+        assert served.stdout.readline() == "serving\n"
+        before = proc_status(served.pid)
         sampler.start()
         # 98 header lines of 64 KiB: what the old server read whole, 40 times over.
         bloat = bloated_head(98)
@@ -465,21 +465,21 @@ def test_a_flood_of_idle_and_header_bloated_connections_costs_few_threads_little
         for sender in senders:
             sender.join()
         time.sleep(0.5)
-        after = proc_status(broker.pid)
+        after = proc_status(served.pid)
         sampling.set()
         sampler.join()
 
-        broker.stdin.write("exit\n")
-        broker.stdin.flush()
-        exited = broker.stdout.readline()
-        assert broker.wait(WAIT_SECONDS) == 0
+        served.stdin.write("exit\n")
+        served.stdin.flush()
+        exited = served.stdout.readline()
+        assert served.wait(WAIT_SECONDS) == 0
     finally:
         sampling.set()
         if sampler.is_alive():
             sampler.join()
-        if broker.poll() is None:
-            broker.kill()
-            broker.wait()
+        if served.poll() is None:
+            served.kill()
+            served.wait()
     clients = bloated + idle
     answers = [read_until_closed(client) for client in clients]  # TimeoutError if one is open
     for client in clients:
@@ -490,7 +490,7 @@ def test_a_flood_of_idle_and_header_bloated_connections_costs_few_threads_little
     tally = Counter(status_of(answer) for answer in answers)
     print(
         f"\nflood of {FLOOD_IDLE} idle + {FLOOD_BLOATED} header-bloated connections: "
-        f"broker threads {before['Threads']} before, at most {peak_threads} during; "
+        f"model socket threads {before['Threads']} before, at most {peak_threads} during; "
         f"RSS {before['VmRSS'] / 1024:.1f} MB before, peak {after['VmHWM'] / 1024:.1f} MB "
         f"(growth {growth_mb:.1f} MB); exit took {exit_seconds * 1000:.1f} ms; "
         f"answers by status (None: closed unanswered) {dict(tally)}"

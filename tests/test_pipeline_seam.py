@@ -33,7 +33,6 @@ from worker.instrument.gitrepo import LineageCache
 from worker.instrument.host import HostFacts
 from worker.instrument.identity import SandboxIdentity
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import generation_key
 from worker.instrument.lineage import create_lineage
 from worker.instrument.model.prices import Prices
 from worker.instrument.model.providers import (
@@ -51,6 +50,7 @@ from worker.instrument.sandbox import SandboxResult
 from worker.instrument.settings import InstrumentSettings
 from worker.instrument.spool import Publication, Spool
 from worker.instrument.store import FileStore, ObservationStore, StoreUnavailable
+from worker.instrument.store_keys import generation_key
 
 SEED = b';; seed\n(message "alive")\n'
 INSTRUMENT = Instrument(fingerprint="e" * 64, version="0.0.0", scripts={}, seed=SEED, sources={})

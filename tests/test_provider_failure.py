@@ -98,7 +98,7 @@ def ask(socket_path: Path, prompt: bytes = b"rewrite yourself") -> int:
     return int(answer.split(b" ", 2)[1])
 
 
-def broker(
+def model_socket(
     tmp_path: Path,
     url: str,
     physics: Physics,
@@ -146,7 +146,7 @@ def test_each_provider_failure_is_summed_up_as_refused_or_unavailable_without_th
 ) -> None:
     physics = Physics(wall_seconds=6, model_margin_seconds=3)
 
-    with broker(tmp_path, vendor(stand_in, case), physics) as model:
+    with model_socket(tmp_path, vendor(stand_in, case), physics) as model:
         assert ask(model.socket_path) == 502
         failure = model.model_failure
 
@@ -162,7 +162,7 @@ def test_a_hung_vendor_answers_the_organism_502_its_margin_before_the_wall(
     stand_in.hang = True
     physics = Physics(wall_seconds=20, model_margin_seconds=15)
 
-    with broker(tmp_path, stand_in.url, physics) as model:
+    with model_socket(tmp_path, stand_in.url, physics) as model:
         started = time.monotonic()
         status = ask(model.socket_path)
         waited = time.monotonic() - started
@@ -179,7 +179,7 @@ def test_a_generation_the_model_answered_once_is_not_model_unavailable(
 ) -> None:
     stand_in.reply = CHAT_ANSWER
 
-    with broker(tmp_path, stand_in.url, Physics()) as model:
+    with model_socket(tmp_path, stand_in.url, Physics()) as model:
         assert ask(model.socket_path) == 200
         stand_in.status, stand_in.reply = 503, {}
         assert ask(model.socket_path) == 502
@@ -195,7 +195,7 @@ def test_a_refusal_wins_over_passing_failures_in_the_summary(
 ) -> None:
     stand_in.status, stand_in.headers = 503, {"retry-after": "0"}
 
-    with broker(tmp_path, stand_in.url, Physics()) as model:
+    with model_socket(tmp_path, stand_in.url, Physics()) as model:
         assert ask(model.socket_path) == 502
         stand_in.status, stand_in.reply = 403, {"error": {"type": "permission_error"}}
         assert ask(model.socket_path) == 502
@@ -212,7 +212,7 @@ def test_a_refusal_wins_over_passing_failures_in_the_summary(
 def test_the_organisms_own_bad_request_and_a_budget_refusal_are_no_provider_failure(
     tmp_path: Path, stand_in: StandIn
 ) -> None:
-    with broker(tmp_path, stand_in.url, Physics(budget_usd=Decimal(0))) as model:
+    with model_socket(tmp_path, stand_in.url, Physics(budget_usd=Decimal(0))) as model:
         assert ask(model.socket_path, b"\xff") == 400
         assert ask(model.socket_path) == 402
         failure = model.model_failure
@@ -368,7 +368,7 @@ def test_a_hostile_lifes_slow_calls_give_the_fleet_cap_back_when_it_ends_so_a_vi
     hostile_cap = RedisThrottle(client, cap, prefix=prefix)
     [calls, _] = hostile_cap.keys("openai-compatible")
 
-    with broker(tmp_path, stand_in.url, Physics(), throttle=hostile_cap) as hostile:
+    with model_socket(tmp_path, stand_in.url, Physics(), throttle=hostile_cap) as hostile:
         clients = [send_and_leave(hostile.socket_path) for _ in range(8)]
         wait_for(lambda: len(stand_in.received) == 8)
         assert client.zcard(calls) == 8
@@ -381,7 +381,9 @@ def test_a_hostile_lifes_slow_calls_give_the_fleet_cap_back_when_it_ends_so_a_vi
     with running_stand_in() as answering:
         answering.reply = CHAT_ANSWER
         physics = Physics(wall_seconds=20, model_margin_seconds=10)
-        with broker(tmp_path, answering.url, physics, throttle=victim_cap, name="v.sock") as victim:
+        with model_socket(
+            tmp_path, answering.url, physics, throttle=victim_cap, name="v.sock"
+        ) as victim:
             assert ask(victim.socket_path) == 200
             assert victim.model_failure is None
 
@@ -397,7 +399,7 @@ def test_a_call_that_finds_no_room_under_the_fleet_cap_is_answered_502_but_is_no
     # Another lineage's call holds the fleet's only room for as long as this one may wait.
     with (
         throttle.admit("openai-compatible", 1, time.monotonic() + 60, busy),
-        broker(tmp_path, stand_in.url, physics, throttle=throttle) as model,
+        model_socket(tmp_path, stand_in.url, physics, throttle=throttle) as model,
     ):
         assert ask(model.socket_path) == 502
         failure = model.model_failure
@@ -415,7 +417,7 @@ def test_a_call_after_its_deadline_is_answered_502_at_once_saying_so_and_is_no_p
     # The call deadline is the wall less the margin: 1 s after the life begins.
     physics = Physics(wall_seconds=2, model_margin_seconds=1)
 
-    with broker(tmp_path, stand_in.url, physics) as model:
+    with model_socket(tmp_path, stand_in.url, physics) as model:
         began = time.monotonic()
         wait_for(lambda: time.monotonic() > began + 1.2)
         asked = time.monotonic()
@@ -436,7 +438,7 @@ def test_an_oversized_prompt_among_answered_calls_is_no_provider_failure(
 ) -> None:
     too_long = {"error": {"type": "invalid_request_error", "message": "context length exceeded"}}
 
-    with broker(tmp_path, stand_in.url, Physics()) as model:
+    with model_socket(tmp_path, stand_in.url, Physics()) as model:
         stand_in.status, stand_in.reply = 400, too_long
         assert ask(model.socket_path, b"x" * 1000) == 502
         stand_in.status, stand_in.reply = 200, CHAT_ANSWER
@@ -455,7 +457,7 @@ def test_an_invalid_request_in_a_generation_nothing_answered_is_still_refused(
 ) -> None:
     stand_in.status, stand_in.reply = 422, UNKNOWN_MODEL
 
-    with broker(tmp_path, stand_in.url, Physics()) as model:
+    with model_socket(tmp_path, stand_in.url, Physics()) as model:
         assert ask(model.socket_path) == 502
         assert ask(model.socket_path) == 502
         failure = model.model_failure
@@ -471,7 +473,7 @@ def test_an_invalid_request_in_a_generation_nothing_answered_is_still_refused(
 def test_a_401_is_refused_alone_and_beside_answered_calls(
     tmp_path: Path, stand_in: StandIn
 ) -> None:
-    with broker(tmp_path, vendor(stand_in, "401"), Physics()) as model:
+    with model_socket(tmp_path, vendor(stand_in, "401"), Physics()) as model:
         assert ask(model.socket_path) == 502
         alone = model.model_failure
         stand_in.status, stand_in.reply = 200, CHAT_ANSWER

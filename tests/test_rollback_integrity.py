@@ -9,7 +9,7 @@ its place. Every tree a death or a life leaves unpacks into the next life's /wor
 body put back where the parent's other files leave it no room comes back with the files
 it lived with, and a tree the stage cannot unpack is never given to life after life.
 Lives run on real bwrap, Emacs, git and cgroups; the history walk of
-``LineageCache.body_before`` is also checked on histories built with git plumbing.
+``LineageCache.last_body`` is also checked on histories built with git plumbing.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def test_a_death_on_a_legacy_parent_restores_a_regular_body(tmp_path: Path, stat
     assert_next_life_is_ordinary(fleet, "legacy")
 
 
-# --- body_before: the last body that was a regular file ---------------------------------
+# --- last_body: the last body that was a regular file ---------------------------------
 
 
 @pytest.fixture
@@ -245,7 +245,9 @@ def history(cache: LineageCache, *commits: tuple[str, str | None, bytes]) -> str
 
 
 def body_before(cache: LineageCache, head: str) -> bytes | None:
-    return cache.body_before(head, ORGANISM_PATH, DEATH_SUBJECT)
+    """The bytes of the body a death at ``head`` restores (``last_body``), if any."""
+    body = cache.last_body(head, ORGANISM_PATH, DEATH_SUBJECT)
+    return body.data if body is not None else None
 
 
 SEED = ("seed", "100644", b"(seed)\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.fleet import SMALL_PHYSICS, Fleet
 
-from scheduler.status import Fleet as FleetHandle
+from scheduler.status import FleetClient
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
 
@@ -25,13 +25,13 @@ def test_status_without_a_running_run_sends_no_broadcast(tmp_path: Path) -> None
     fleet.ok("init", "idle", *SMALL_PHYSICS)
     settings = Settings(home=tmp_path / ".ouroboros")
     try:
-        handle = FleetHandle(settings)
+        handle = FleetClient(settings)
         (row,) = handle.statuses()
         assert (row.lineage, row.generation, row.run_id) == ("idle", 0, None)
         assert "app" not in handle.__dict__  # the Celery client was never even built
 
         fleet.ok("run", "idle", "--generations", "2")
-        busy = FleetHandle(settings)
+        busy = FleetClient(settings)
         (row,) = busy.statuses(["idle"])
         assert row.run_id is not None and row.stopped is None
         assert "app" in busy.__dict__

@@ -20,8 +20,8 @@ import pytest
 
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.keys import generation_key, metadata_key, run_key
 from worker.instrument.store import FileStore, ObservationStore, StoreUnavailable, open_store
+from worker.instrument.store_keys import generation_key, metadata_key, run_key
 
 
 def test_put_once_writes_once_and_leaves_the_first_object(

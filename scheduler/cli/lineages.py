@@ -213,12 +213,12 @@ def run(
         run_local(settings, list(names), generations, provider, model, ceiling)
         return
     from scheduler.follow import NoWorker, SourceLost, describe, watch
-    from scheduler.status import Fleet
+    from scheduler.status import FleetClient
     from worker.fleet.capabilities import unservable
     from worker.fleet.runs import job_of, queue_of
 
     require_known(provider)
-    fleet = Fleet(settings)
+    fleet = FleetClient(settings)
     planner = fleet.planner
     heads: dict[str, str] = {}
     for name in names:
@@ -353,12 +353,12 @@ def _clock() -> str:
 @click.argument("name")
 def cancel(name: str) -> None:
     """Stop NAME's run after the generation in flight (if any) lands."""
-    from scheduler.status import Fleet
+    from scheduler.status import FleetClient
 
     settings = load_settings()
     check_name(name)
     require_places(settings, write=False)
-    cancelled = Fleet(settings).planner.cancel(name)
+    cancelled = FleetClient(settings).planner.cancel(name)
     if cancelled is None:
         raise Refusal(f"lineage {name} has no active run to cancel")
     console.print(f"cancelled run {cancelled.run_id} of {name}")
@@ -373,10 +373,10 @@ def reconcile(loop: bool) -> None:
     import redis
     from kombu.exceptions import OperationalError
 
-    from scheduler.status import Fleet
+    from scheduler.status import FleetClient
 
     settings = load_settings()
-    fleet = Fleet(settings)
+    fleet = FleetClient(settings)
     if not loop:
         enqueued = fleet.planner.reconcile()
         console.print(f"reconcile: enqueued {', '.join(enqueued) or 'nothing'}")

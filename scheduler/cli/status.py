@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import click
 
 from scheduler.cli.common import emit, load_settings
-from scheduler.status import Fleet, LineageStatus
+from scheduler.status import FleetClient, LineageStatus
 from worker.instrument.lineage import check_name
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
     settings = load_settings()
     for name in names:
         check_name(name)
-    rows = Fleet(settings, start_broker=False).statuses(list(names) or None)
+    rows = FleetClient(settings, start_broker=False).statuses(list(names) or None)
     emit(rows, as_json, lambda: _table(rows))
     down = {source: line for row in rows for source, line in row.unavailable.items()}
     if down:

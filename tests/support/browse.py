@@ -30,7 +30,6 @@ from worker.fleet.settings import Settings
 from worker.instrument import journal
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry
-from worker.instrument.keys import generation_key, index_key
 from worker.instrument.lineage import create_lineage
 from worker.instrument.names import JOURNAL_PATH, ORGANISM_PATH
 from worker.instrument.physics import Physics
@@ -43,6 +42,7 @@ from worker.instrument.records import (
     Observation,
     Provenance,
 )
+from worker.instrument.store_keys import generation_key, index_key
 
 # Markup an unescaped page would run or render: a script, an event handler, a tag.
 PAYLOAD = "<script>alert('xss')</script><img src=x onerror=alert(1)><b>bold</b>"

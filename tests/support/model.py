@@ -77,13 +77,13 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def request(
-    broker: ModelSocket,
+    model: ModelSocket,
     body: bytes = b"hello model",
     headers: dict[str, str | bytes] | None = None,
     method: str = "POST",
     path: str = "/generate",
 ) -> tuple[int, str, http.client.HTTPResponse]:
-    connection = UnixHTTPConnection(broker.socket_path)
+    connection = UnixHTTPConnection(model.socket_path)
     try:
         connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()

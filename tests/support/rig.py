@@ -1,6 +1,6 @@
 """A scheduler's planner in this process, its ``send`` recorded instead of sent: the rig
 of the fleet's rules (``test_fleet_rules``) and of the hostile Redis tests
-(``test_hostile_recovery``, ``test_contested_redis_keys``).
+(``test_recovery_against_planted_keys``, ``test_contested_redis_keys``).
 
 ``Rig`` makes lineages the way ``schedule-lineage init`` does (the project's own
 ``create_lineage``) and lands generations with its own ``LineageCache``; ``entry`` and
@@ -32,11 +32,11 @@ from worker.instrument import journal
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import index_key
 from worker.instrument.lineage import LineageMetadata, create_lineage
 from worker.instrument.names import ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import IndexEntry, LineageIndex
+from worker.instrument.store_keys import index_key
 
 SEED = b';;; rules organism  -*- lexical-binding: t; -*-\n(message "hi")\n'
 INSTRUMENT = Instrument(

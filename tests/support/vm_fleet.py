@@ -36,7 +36,7 @@ import boto3
 
 from support.fleet import Fleet, PrivateRedis, free_port, terminate, wait_for
 from support.vm_guest import HOST_ALIAS, Host
-from worker.instrument.keys import generation_key
+from worker.instrument.store_keys import generation_key
 
 S3_REGION = "us-east-1"
 # moto takes any credentials; they are still treated as secrets (never in argv).

@@ -30,7 +30,7 @@ from worker.fleet.redis_keys import BLOCKED_PREFIX, blocked_key, eval_script, ge
 from worker.instrument.model.catalogue import PROVIDER_NAMES
 from worker.instrument.names import is_lineage_name
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 
 def _in_utc(value: datetime) -> datetime:

@@ -26,7 +26,7 @@ import redis
 from worker.fleet import block_markers, holders
 from worker.instrument.job import GenerationJob, GenerationReport
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 # A lineage a worker refused is tried again after this long, should no worker find the
 # cause gone sooner (a refusal comes before any life: trying again costs nothing).

@@ -41,7 +41,7 @@ ADVERT_SECONDS = 30
 _ADVERTS = f"{redis_keys.PREFIX}:worker:"
 # The checks a job meets before its life, asked without a price: a run brings its own.
 _ANY_PRICE = Prices(input_usd_per_mtok=Decimal(0), output_usd_per_mtok=Decimal(0))
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 
 def advert_key(node: str) -> str:

@@ -30,7 +30,7 @@ from worker.fleet.holders import holder_dead, holder_name
 from worker.fleet.markers import claim_running, clear_in_flight
 from worker.fleet.redis_keys import EXPIRE_IF_HELD, eval_script, get_string, lease_key, turn_key
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 
 class Lease:

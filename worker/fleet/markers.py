@@ -37,7 +37,7 @@ from worker.fleet.redis_keys import (
 )
 from worker.instrument.names import is_lineage_name
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 # What a holder record may hold, read back from a Redis anyone on the network may write:
 # the worker's own job ids (``lineage.commit12.hex``), Celery's uuids, and holder names.
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")

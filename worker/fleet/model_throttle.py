@@ -41,7 +41,7 @@ import redis
 from worker.fleet.redis_keys import PREFIX
 from worker.instrument.model.throttle import POLL_SECONDS, Admission, Cap, no_room
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 # A hold outlives its call's deadline by this much: the model thread may still be
 # reading the vendor's answer when the call is abandoned.

@@ -36,7 +36,7 @@ import redis
 
 from worker.fleet import markers, redis_keys
 
-log = logging.getLogger("ouroboros.reconcile")
+log = logging.getLogger(__name__)
 # How many delivered messages one pass reads: at most one job per lineage is in flight.
 SCAN_LIMIT = 10_000
 

@@ -47,17 +47,17 @@ from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import LineageCache
 from worker.instrument.index import read_index
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import run_key, runs_prefix
 from worker.instrument.lineage import LineageMetadata, root_metadata
 from worker.instrument.model.catalogue import model_of, require_known
 from worker.instrument.model.prices import Prices, resolve_prices
 from worker.instrument.names import BRANCH_PREFIX, is_lineage_name
 from worker.instrument.records import LineageIndex
 from worker.instrument.store import ObservationStore, StoreUnavailable
+from worker.instrument.store_keys import run_key, runs_prefix
 
 # (job, job id, queue, hard time limit, first: ahead of every job already queued)
 Send = Callable[[GenerationJob, str, str, int, bool], None]
-log = logging.getLogger("ouroboros.reconcile")
+log = logging.getLogger(__name__)
 
 
 class Planner:

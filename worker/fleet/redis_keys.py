@@ -26,7 +26,7 @@ from redis.typing import EncodableT
 from worker.fleet.settings import Settings
 
 PREFIX = "ouroboros"
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 # A worker's commands wait out a broker restart (about 12 s of retries): a life that
 # lands while Redis restarts still releases its lease and sends its follow-up, instead
 # of leaving its lineage to the lease's expiry and the reconciler's next pass.

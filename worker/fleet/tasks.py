@@ -91,7 +91,7 @@ PUBLISH_RETRY = {"max_retries": 14, "interval_start": 0, "interval_step": 0.25, 
 # record the child has read before.
 RUNS_REMEMBERED = 256
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 
 class WorkerApp:

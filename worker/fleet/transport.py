@@ -38,7 +38,7 @@ from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 # A generation job is well under 4 KiB; anything near this bound is not one.
 MAX_MESSAGE_BYTES = 256 * 1024

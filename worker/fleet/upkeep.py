@@ -36,7 +36,7 @@ from worker.instrument.store import StoreUnavailable
 # calls, against a lineage otherwise stalled until its marker and lease expire.
 SWEEP_SECONDS = 1.0
 
-log = logging.getLogger("ouroboros.worker")
+log = logging.getLogger(__name__)
 
 
 def keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:

@@ -5,7 +5,8 @@ Owns the rule that the trusted instrument is every module in ``worker/instrument
 for a worker, the fleet plumbing in ``worker/fleet/``: ``load_plumbing``), the
 in-memory copies of the sandbox scripts and the seed organism, the instrument
 fingerprint (sha256 over exactly the bytes loaded), the instrument version and
-commit, and the fleet-version check.
+commit (``source_commit`` asks git, or reads what a build recorded), and the
+fleet-version check.
 After ``Instrument.load()`` the worker never reads its own code from disk again, so
 editing files under a running worker changes nothing it does; a restarted worker
 with different bytes has a different fingerprint and serves a different queue.
@@ -13,7 +14,8 @@ The code imported is the code of those bytes: ``worker/__init__.py`` keeps the
 bytecode in a private cache as checked hash-based pycs, validated against the source
 on every import.
 
-Trusts: the files of its own package at load time, and the environment for
+Trusts: the files of its own package at load time (the build's commit record among
+them: it is installed with the code), and the environment for
 ``OUROBOROS_FLEET_VERSION`` / ``OUROBOROS_INSTRUMENT_COMMIT``.
 """
 
@@ -33,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 
 from worker.instrument.errors import Refusal
 from worker.instrument.names import COMMIT_PATTERN, ORGANISM_PATH, queue_name
+from worker.instrument.source_commit import BUILD_FILE, SourceCommit, read_checkout
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +143,8 @@ def current() -> Instrument:
 
 
 def instrument_commit(configured: str | None) -> str:
-    """The commit of the instrument's source: configured, or the clean checkout's HEAD."""
+    """The commit of the instrument's source: configured, else the one its build recorded
+    (an installed wheel), else the clean checkout's HEAD."""
     if configured:
         commit = configured.strip().lower()
         if not _COMMIT.match(commit):
@@ -148,25 +152,46 @@ def instrument_commit(configured: str | None) -> str:
                 f"OUROBOROS_INSTRUMENT_COMMIT={configured!r} is not a 40- or 64-hex commit id"
             )
         return commit
-    git = ["git", "-C", str(PACKAGE_ROOT)]
-    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
-    if head.returncode != 0:
+    built = built_commit()
+    if built is not None:
+        if built.dirty:
+            raise Refusal(
+                f"this package was built from a checkout with uncommitted tracked changes "
+                f"(on top of {built.commit[:12]}); rebuild it from a clean checkout "
+                "(a lineage must name the exact code it ran under)"
+            )
+        return built.commit
+    checkout = read_checkout(PACKAGE_ROOT)
+    if checkout is None:
         raise Refusal(
-            "the instrument is not a git checkout; set OUROBOROS_INSTRUMENT_COMMIT "
-            "to the commit it was built from"
+            "the instrument is neither a git checkout nor a package built from one; set "
+            "OUROBOROS_INSTRUMENT_COMMIT to the commit it was built from"
         )
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--untracked-files=no"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    if dirty.stdout.strip():
+    if checkout.dirty:
         raise Refusal(
             f"the instrument checkout {PACKAGE_ROOT} has uncommitted tracked changes; "
             "commit them (a lineage must name the exact code it ran under)"
         )
-    return head.stdout.strip()
+    return checkout.commit
+
+
+def built_commit() -> SourceCommit | None:
+    """The commit a build wrote into the package (see ``source_commit``), if it did."""
+    record = resources.files("worker").joinpath(BUILD_FILE)
+    if not record.is_file():
+        return None
+    try:
+        built = SourceCommit.decode(record.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise Refusal(
+            f"the package's {BUILD_FILE} is unreadable ({error}); reinstall the package"
+        ) from None
+    if not _COMMIT.match(built.commit):
+        raise Refusal(
+            f"the package's {BUILD_FILE} names {built.commit!r}, not a commit id; "
+            "reinstall the package"
+        )
+    return built
 
 
 def instrument_provenance() -> tuple[str, str]:

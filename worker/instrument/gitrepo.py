@@ -575,14 +575,6 @@ class LineageCache:
     def is_ancestor(self, ancestor: str, descendant: str) -> bool:
         return ancestor == descendant or self.repo.descendant_of(descendant, ancestor)
 
-    def body_before(self, commit: str, path: str, rollback_subject: str) -> bytes | None:
-        """The body ``path`` had before the last change to it that was not a rollback.
-
-        The bytes of ``last_body``; see there.
-        """
-        body = self.last_body(commit, path, rollback_subject)
-        return body.data if body is not None else None
-
     def last_body(self, commit: str, path: str, rollback_subject: str) -> Body | None:
         """The body ``path`` had before the last change to it that was not a rollback.
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from worker.instrument.keys import (
+from worker.instrument.records import IndexEntry, LineageIndex, Observation
+from worker.instrument.store_keys import (
     generation_key,
     index_key,
     index_segment_key,
     index_segments_prefix,
 )
-from worker.instrument.records import IndexEntry, LineageIndex, Observation
 
 if TYPE_CHECKING:
     from worker.instrument.store import ObservationStore

@@ -28,7 +28,6 @@ from worker.instrument.errors import Refusal
 from worker.instrument.fields import LineageName
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
-from worker.instrument.keys import metadata_key
 from worker.instrument.names import (
     COMMIT_PATTERN,
     JOURNAL_PATH,
@@ -39,6 +38,7 @@ from worker.instrument.names import (
 )
 from worker.instrument.physics import Physics
 from worker.instrument.store import ObservationStore
+from worker.instrument.store_keys import metadata_key
 
 SCHEMA: Final = "ouroboros-fleet-lineage/v1"
 

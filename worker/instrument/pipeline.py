@@ -37,7 +37,6 @@ from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.host import HostFacts, Sandbox
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.keys import generation_key
 from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
 from worker.instrument.model.prices import Prices
 from worker.instrument.model.providers import GenerationContext, Provider, make_provider
@@ -58,6 +57,7 @@ from worker.instrument.sandbox import SandboxResult, kernel_directory
 from worker.instrument.settings import InstrumentSettings
 from worker.instrument.spool import Publication, Spool
 from worker.instrument.store import ObservationStore, StoreUnavailable
+from worker.instrument.store_keys import generation_key
 
 # What names the provider of a job: ``make_provider``, or a stand-in's in a test.
 ProviderFactory = Callable[[str, str | None, InstrumentSettings, Prices | None], Provider]

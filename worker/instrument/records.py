@@ -1,7 +1,7 @@
 """The schema of what a generation records outside the lineage: observations and their index.
 
 Owns the pydantic models the pipeline writes to the observation store (the key
-layout is ``worker.instrument.keys``; run records, which the scheduler writes, are
+layout is ``worker.instrument.store_keys``; run records, which the scheduler writes, are
 ``worker.fleet.runs``). Every record is produced by the trusted worker
 or scheduler, never by an organism; organism-made text (stderr, prompts, responses)
 is carried as data and capped where it could grow without bound.
@@ -79,7 +79,7 @@ class ModelAttempt(BaseModel):
 
 
 class ModelCall(BaseModel):
-    """One request through the model socket, as the broker audited it."""
+    """One request through the model socket, as the model socket audited it."""
 
     model_config = ConfigDict(extra="forbid")
 

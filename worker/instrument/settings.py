@@ -52,7 +52,6 @@ class InstrumentSettings(BaseSettings):
     # An attempt that receives no byte for this long is abandoned and tried again
     # within the call's deadline (worker.instrument.model.retry).
     model_stall_seconds: float = Field(300.0, gt=0, le=24 * 3600)
-    scripted_latency_seconds: float = Field(0.0, ge=0, le=600)
     key_dir: Path | None = None
     ceiling: CeilingName = "auto"
     cgroup_parent: Path | None = None

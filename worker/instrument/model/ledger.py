@@ -1,6 +1,6 @@
 """The spending ledger of one generation: reserve the worst case, charge what was used.
 
-Owns the per-generation budget arithmetic. Before a model call the broker reserves
+Owns the per-generation budget arithmetic. Before a model call the model socket reserves
 the call's worst-case cost: every prompt byte counted as one input token (no
 tokenizer yields more tokens than bytes) plus FRAMING_TOKENS for the provider's
 message framing, at the input price, plus every granted output token at the output
@@ -10,7 +10,7 @@ capped at the reservation: the budget stays a hard ceiling even when a provider
 reports more usage than we allowed for. All amounts are exact Decimals.
 
 Thread-safe: concurrent calls reserve and settle under one lock. Trusts: the prices
-it is given and the usage the broker passes on from the provider.
+it is given and the usage the model socket passes on from the provider.
 """
 
 from __future__ import annotations
@@ -91,12 +91,6 @@ class Ledger:
                 raise ValueError(f"reservation {reservation.number} is not open")
             self._spent += charge
         return charge
-
-    def settle_usage(
-        self, reservation: Reservation, input_tokens: int, output_tokens: int
-    ) -> Decimal:
-        """Close a reservation at the cost of the usage the provider reported."""
-        return self.settle(reservation, self.prices.cost_usd(input_tokens, output_tokens))
 
     def _remaining(self) -> Decimal:
         held = sum((r.amount_usd for r in self._open.values()), Decimal(0))

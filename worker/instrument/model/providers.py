@@ -36,6 +36,7 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.instrument.errors import Refusal
 from worker.instrument.model.catalogue import model_of, require_known
@@ -57,7 +58,7 @@ _Shape = TypeVar("_Shape", bound=BaseModel)
 
 
 class GenerationContext(BaseModel):
-    """What the broker knows about the generation it serves (for the scripted stand-in)."""
+    """What the model socket knows about the generation it serves (for the scripted stand-in)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -462,6 +463,29 @@ class ScriptedProvider(Provider):
         )
 
 
+class ScriptedKnobs(BaseSettings):
+    """The scripted stand-in's knob for benchmarks, read from the environment alone.
+
+    Not an instrument setting (``InstrumentSettings`` holds only what decides or records
+    a real generation): ``OUROBOROS_SCRIPTED_LATENCY_SECONDS`` makes the stand-in take
+    that long to answer, as a model would.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="OUROBOROS_SCRIPTED_", extra="ignore")
+
+    latency_seconds: float = Field(0.0, ge=0, le=600)
+
+
+def scripted_latency_seconds() -> float:
+    try:
+        return ScriptedKnobs().latency_seconds
+    except ValidationError as exc:
+        raise Refusal(
+            f"OUROBOROS_SCRIPTED_LATENCY_SECONDS: {exc.errors()[0]['msg']}; unset it or give "
+            "seconds from 0 to 600"
+        ) from None
+
+
 def _estimate_tokens(text: str) -> int:
     return math.ceil(len(text.encode("utf-8")) / SCRIPTED_BYTES_PER_TOKEN)
 
@@ -485,7 +509,7 @@ def make_provider(
     if name == "scripted":
         model = model_of(name, model)
         prices = prices or resolve_prices(name, model, settings)
-        return ScriptedProvider(model, prices, settings.scripted_latency_seconds)
+        return ScriptedProvider(model, prices, scripted_latency_seconds())
     provider = HTTP_PROVIDERS[name]
     provider.read_key()
     model = model_of(name, model)

@@ -1,4 +1,4 @@
-"""Hostile review of the recovery path: what a writer of the broker's Redis, or a slow
+"""The recovery path against planted keys: what a writer of the broker's Redis, or a slow
 sender, can make a worker's recovery machinery do.
 
 Each test stages the keys an attacker (anyone who can reach the fleet's Redis) or a
@@ -37,7 +37,7 @@ from support.fleet import (
 from support.lives import WRITES_STATE, assert_linear, generations, start
 from support.rig import Rig, dead_holder, planner_rig, report
 
-from scheduler.status import Fleet as Scheduler
+from scheduler.status import FleetClient
 from worker.fleet import holders, leases, markers, redis_keys
 from worker.fleet.upkeep import watch_markers
 
@@ -154,7 +154,7 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
     hostile = "x\n[2026-01-01 00:00:00,000: CRITICAL/MainProcess] forged\x1b[2J"
     dead = dead_holder()
     client.set(redis_keys.holder_key(hostile), f"job-1 {dead}", ex=600)
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         released = markers.release_dead_holders(client)
     assert all(lineage != hostile for lineage, _ in released)
     for record in caplog.records:
@@ -299,7 +299,7 @@ def test_a_marker_of_another_type_neither_stops_the_reconciler_nor_keeps_its_lin
     rig.run(planted, 2)
     rig.run(neighbour, 2)
     plant(rig.client, key_of(planted))
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         assert sorted(rig.planner.reconcile()) == sorted([planted, neighbour])
     removed_and_named(rig.client, key_of(planted), caplog)
     sent = {job.lineage: job_id for job, job_id, *_ in rig.sent.calls}
@@ -319,8 +319,8 @@ def test_status_reads_a_marker_of_another_type_as_absent(
     lineage, _ = rig.lineage("shown")
     rig.run(lineage, 2)
     plant(rig.client, key_of(lineage))
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
-        row = Scheduler(rig.planner.settings).status(lineage)
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
+        row = FleetClient(rig.planner.settings).status(lineage)
     assert (row.in_flight, row.blocked) == (None, None)
     assert row.target == 2
     removed_and_named(rig.client, key_of(lineage), caplog)
@@ -335,7 +335,7 @@ def test_a_lease_of_another_type_is_taken_and_released_by_the_job_that_lives_the
     plant(client, redis_keys.lease_key(lineage))
     lived = False
     with (
-        caplog.at_level(logging.WARNING, logger="ouroboros.worker"),
+        caplog.at_level(logging.WARNING, logger="worker.fleet"),
         leases.holding(client, lineage, "job-1", 30) as lease,
     ):
         lived = True
@@ -361,7 +361,7 @@ def test_a_marker_or_holder_record_of_another_type_does_not_fail_clearing_the_ma
     client.set(redis_keys.inflight_key(lineage), "job-1", ex=600)
     client.set(redis_keys.holder_key(lineage), f"job-1 {holders.holder_name()}", ex=600)
     plant(client, key_of(lineage))
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         markers.clear_in_flight(client, lineage, "job-1")
     assert not client.exists(redis_keys.inflight_key(lineage), redis_keys.holder_key(lineage))
     removed_and_named(client, key_of(lineage), caplog)
@@ -376,7 +376,7 @@ def test_a_fetched_jobs_marker_of_another_type_is_removed_not_kept(
     # marker is gone, so there is none of it to keep, and the lineage is free again.
     lineage = _name("kept")
     plant(client, redis_keys.inflight_key(lineage))
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         assert not markers.keep_marker(client, lineage, "job-1", 600)
     assert markers.in_flight(client, lineage) is None
     removed_and_named(client, redis_keys.inflight_key(lineage), caplog)
@@ -396,7 +396,7 @@ def test_a_dead_holders_job_is_released_whole_beside_a_marker_or_lease_of_anothe
     lineage = _name("orphan")
     _orphan(client, lineage, "job-1", dead_holder())
     plant(client, key_of(lineage))
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         assert (lineage, "job-1") in markers.release_dead_holders(client)
     for key in (redis_keys.inflight_key, redis_keys.holder_key, redis_keys.lease_key):
         assert not client.exists(key(lineage))
@@ -412,7 +412,7 @@ def test_a_cancel_flag_of_another_type_does_not_end_the_run(
     assert job.run_id is not None
     key = redis_keys.cancel_key(job.lineage, job.run_id)
     plant(rig.client, key)
-    with caplog.at_level(logging.WARNING, logger="ouroboros.worker"):
+    with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         assert not markers.cancel_requested(rig.client, job.lineage, job.run_id)
         follow = rig.planner.follow_up(job, report(job, 1, commit, "0.10"))
     assert follow is not None and follow.expected_commit == commit
