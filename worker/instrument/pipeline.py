@@ -30,7 +30,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
-from worker.instrument import index, journal
+from worker.instrument import index, journal, syscall_filter
 from worker.instrument.ceilings import Ceiling
 from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
 from worker.instrument.errors import Refusal, StaleJob
@@ -346,6 +346,7 @@ class Pipeline:
                 ceiling_driver=self.ceiling.name,
                 bwrap_version=self.bwrap_version,
                 emacs_version=self.emacs_version,
+                syscall_filter=syscall_filter.DIGEST,
                 task_id=task_id,
                 attempt=attempt,
                 queue_wait_seconds=queue_wait,
