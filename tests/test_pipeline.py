@@ -24,6 +24,7 @@ from support.lives import make_lineage, push_hand_commit, run_one
 from scheduler.reader import open_reader
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
+from worker.instrument import syscall_filter
 from worker.instrument.fingerprint import PACKAGE_ROOT
 from worker.instrument.sandbox import KERNEL_PREFIX, OWNER_SUFFIX
 
@@ -123,6 +124,8 @@ def test_scripted_generation_changes_and_next_generation_sees_new_body(fleet: Fl
     # The second life was given the body the first one wrote.
     assert body1 in calls[0]["prompt"]
     assert observation["provenance"]["ceiling_driver"] == "cgroup1"
+    # The life lived under the filter whose digest its capabilities.json disclosed.
+    assert observation["provenance"]["syscall_filter"] == syscall_filter.DIGEST
     assert observation["cpu_usage_nsec"] > 0
     assert observation["memory_peak_bytes"] > 0
     assert observation["figure_sources"]

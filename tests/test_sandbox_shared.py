@@ -38,6 +38,7 @@ from test_sandbox_identity import (  # noqa: F401  (fixtures, used by name)
 from worker.instrument import syscall_filter
 from worker.instrument.ceilings import select_ceiling
 from worker.instrument.keyring import join_fresh_session_keyring
+from worker.instrument.records import Provenance
 from worker.instrument.sandbox import resolve_emacs, run_sandbox
 
 pytestmark = [pytest.mark.root, pytest.mark.bwrap, pytest.mark.cgroups]
@@ -191,6 +192,20 @@ def test_the_filter_digest_is_of_its_definition_and_names_every_group() -> None:
     # Compiled by libseccomp: classic BPF, 8 bytes an instruction.
     program = syscall_filter.compiled()
     assert program and len(program) % 8 == 0
+
+
+def test_an_observation_from_before_the_filter_still_reads() -> None:
+    recorded = {
+        "worker_host": "h",
+        "fleet_version": "0.1",
+        "instrument_fingerprint": "f",
+        "ceiling_driver": "cgroup1",
+        "bwrap_version": "0.8.0",
+        "emacs_version": "28.2",
+    }
+    assert Provenance.model_validate(recorded).syscall_filter is None
+    now = Provenance.model_validate({**recorded, "syscall_filter": syscall_filter.DIGEST})
+    assert now.syscall_filter == syscall_filter.DIGEST
 
 
 # --- the keyring ---------------------------------------------------------------------------
