@@ -350,6 +350,9 @@ def compiled() -> bytes:
     syscall_filter.set_attr(
         pyseccomp.Attr.ACT_BADARCH, pyseccomp.ERRNO(_errno(DEFINITION.other_abis))
     )
+    # A binary tree over syscall numbers: every allowed call (nearly all of a life's)
+    # passes a few comparisons instead of one per refused call.
+    syscall_filter.set_attr(pyseccomp.Attr.CTL_OPTIMIZE, _BINARY_TREE)
     for group in DEFINITION.groups:
         for rule in group.rules:
             if pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, rule.syscall) == _UNKNOWN:
@@ -366,6 +369,7 @@ def compiled() -> bytes:
 
 
 _UNKNOWN = -1
+_BINARY_TREE = 2
 
 
 def _errno(name: Refused) -> int:
