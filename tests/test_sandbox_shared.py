@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +41,14 @@ from worker.instrument import syscall_filter
 from worker.instrument.ceilings import select_ceiling
 from worker.instrument.keyring import join_fresh_session_keyring
 from worker.instrument.records import Provenance
-from worker.instrument.sandbox import resolve_emacs, run_sandbox
+from worker.instrument.sandbox import (
+    KERNEL_PREFIX,
+    OWNER_SUFFIX,
+    _create,
+    resolve_emacs,
+    run_sandbox,
+    sweep_kernel_dirs,
+)
 
 pytestmark = [pytest.mark.root, pytest.mark.bwrap, pytest.mark.cgroups]
 
@@ -192,6 +201,31 @@ def test_the_filter_digest_is_of_its_definition_and_names_every_group() -> None:
     # Compiled by libseccomp: classic BPF, 8 bytes an instruction.
     program = syscall_filter.compiled()
     assert program and len(program) % 8 == 0
+
+
+def test_a_sweep_removes_what_a_killed_worker_left_beside_its_kernel_directory() -> None:
+    ended = subprocess.run(["/bin/sh", "-c", "echo $$"], capture_output=True, text=True)
+    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX))
+    beside = [kernel.with_name(kernel.name + suffix) for suffix in (".seccomp", ".boot_id")]
+    for path in beside:
+        path.write_bytes(b"left")
+    kernel.with_name(kernel.name + OWNER_SUFFIX).write_text(ended.stdout.strip())
+    sweep_kernel_dirs()
+    assert not kernel.exists() and not any(path.exists() for path in beside)
+    assert not kernel.with_name(kernel.name + OWNER_SUFFIX).exists()
+
+
+def test_the_filter_file_is_never_written_through_a_planted_link(tmp_path: Path) -> None:
+    """A local user who saw the kernel directory's name plants a link beside it first."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"kept")
+    with kernel_dir("") as (kernel, _identity):
+        planted = kernel.with_name(kernel.name + ".planted")
+        planted.symlink_to(victim)
+        with pytest.raises(FileExistsError):
+            _create(planted, b"filter", 0o600)
+        planted.unlink()
+    assert victim.read_bytes() == b"kept"
 
 
 def test_an_observation_from_before_the_filter_still_reads() -> None:

@@ -230,10 +230,9 @@ def kernel_directory(files: Mapping[str, bytes], identity: SandboxIdentity) -> I
             (kernel / name).write_bytes(data)
             (kernel / name).chmod(0o644)
         # The worker's alone: bwrap reads it on a descriptor the worker opened.
-        _beside(kernel, FILTER_SUFFIX).write_bytes(syscall_filter.compiled())
+        _create(_beside(kernel, FILTER_SUFFIX), syscall_filter.compiled(), 0o600)
         boot_id = _beside(kernel, BOOT_ID_SUFFIX)
-        boot_id.write_text(f"{uuid.uuid4()}\n")
-        boot_id.chmod(0o444)
+        _create(boot_id, f"{uuid.uuid4()}\n".encode(), 0o444)
         identity.own(boot_id)
         # Executable but unreadable for the life: see sandbox_scripts/stage.sh.
         shutil.copyfile(os.path.realpath("/bin/sh"), kernel / "sh")
@@ -257,6 +256,18 @@ def sweep_kernel_dirs() -> None:
             continue
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             _remove(owner_file.with_name(owner_file.name.removesuffix(OWNER_SUFFIX)))
+
+
+def _create(path: Path, data: bytes, mode: int) -> None:
+    """A new file at ``path`` holding ``data``: never one planted there, never through a link.
+
+    The temp dir is shared with every local user, who can read the kernel directory's
+    name and race to put a file or a symlink beside it first.
+    """
+    handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(handle, "wb") as file:
+        file.write(data)
+    path.chmod(mode)
 
 
 def _beside(kernel: Path, suffix: str) -> Path:
