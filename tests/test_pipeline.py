@@ -13,7 +13,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
 from worker.instrument import syscall_filter
 from worker.instrument.fingerprint import PACKAGE_ROOT
-from worker.instrument.sandbox import KERNEL_PREFIX, OWNER_SUFFIX
+from worker.instrument.sandbox import KERNEL_PARENT, KERNEL_PREFIX, OWNER_SUFFIX
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -467,7 +466,7 @@ print("connected")
 
 def wait_for_kernel_dir(pid: int) -> Path:
     for _ in range(600):
-        for owner in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
+        for owner in KERNEL_PARENT.glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
             kernel = owner.with_name(owner.name.removesuffix(OWNER_SUFFIX))
             with contextlib.suppress(OSError):
                 if owner.read_text() == str(pid) and (kernel / "model.sock").exists():

@@ -42,6 +42,7 @@ from worker.instrument.ceilings import select_ceiling
 from worker.instrument.keyring import join_fresh_session_keyring
 from worker.instrument.records import Provenance
 from worker.instrument.sandbox import (
+    KERNEL_PARENT,
     KERNEL_PREFIX,
     OWNER_SUFFIX,
     _create,
@@ -205,7 +206,7 @@ def test_the_filter_digest_is_of_its_definition_and_names_every_group() -> None:
 
 def test_a_sweep_removes_what_a_killed_worker_left_beside_its_kernel_directory() -> None:
     ended = subprocess.run(["/bin/sh", "-c", "echo $$"], capture_output=True, text=True)
-    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX))
+    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX, dir=KERNEL_PARENT))
     beside = [kernel.with_name(kernel.name + suffix) for suffix in (".seccomp", ".boot_id")]
     for path in beside:
         path.write_bytes(b"left")
@@ -383,15 +384,28 @@ def test_a_life_has_no_pty_and_its_subprocesses_get_pipes(worker: Worker) -> Non
 DISCLOSURE = r"""
 echo boot_id $(cat /proc/sys/kernel/random/boot_id)
 echo config_gz $(cat /proc/config.gz 2>/dev/null | wc -c)
+grep -E ' /(kernel|proc/sys/kernel/random/boot_id) ' /proc/self/mountinfo | cut -d' ' -f4 |
+  sed 's/^/source /'
 """
 
 
-def test_a_life_learns_no_boot_id_or_kernel_config_of_the_host(worker: Worker) -> None:
+def test_a_life_learns_no_boot_id_kernel_config_or_temp_dir_of_the_host(
+    worker: Worker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert Path("/proc/config.gz").exists(), "this kernel has no /proc/config.gz to mask"
     host_boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    first, second = (
-        dict(line.split(" ", 1) for line in lines(worker(sh(DISCLOSURE)))) for _ in "ab"
-    )
+    # A worker whose temp dir names its user: the life must not learn it.
+    private = tmp_path / "alice-private-tmp"
+    private.mkdir(mode=0o777)
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    found = [lines(worker(sh(DISCLOSURE))) for _ in "ab"]
+    first, second = (dict(line.split(" ", 1) for line in out if " " in line) for out in found)
+    # The two host paths in the mount table: the kernel directory and its boot_id beside it.
+    sources = [line.split(" ", 1)[1] for line in found[0] if line.startswith("source ")]
+    assert len(sources) == 2, found[0]
+    neutral = re.compile(r"^(/tmp)?/ouroboros-kernel-[a-z0-9_]{8}(\.boot_id)?$")
+    assert all(neutral.match(source) for source in sources), sources
     assert first["config_gz"] == "0"
     assert re.fullmatch(r"[0-9a-f-]{36}", first["boot_id"])
     assert len({host_boot_id, first["boot_id"], second["boot_id"]}) == 3

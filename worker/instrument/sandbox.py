@@ -53,6 +53,10 @@ SANDBOX_PATH = "/usr/bin:/bin"
 HOST_ENV = {"PATH": SANDBOX_PATH}
 STAGE_SCRIPT = "/kernel/stage.sh"
 KERNEL_PREFIX = "ouroboros-kernel-"
+# The kernel directory's parent is the life's to read (/proc/self/mountinfo names the
+# source of /kernel): /tmp on every host, never the worker's TMPDIR, which may name a
+# user or a deployment.
+KERNEL_PARENT = Path("/tmp")
 OWNER_SUFFIX = ".owner"
 # Beside the kernel directory, never inside it (the life sees that): the compiled syscall
 # filter, which the worker opens for bwrap, and the life's own boot_id.
@@ -217,12 +221,12 @@ def _kernel_interfaces_closed() -> list[str]:
 def kernel_directory(files: Mapping[str, bytes], identity: SandboxIdentity) -> Iterator[Path]:
     """A fresh kernel directory holding ``files`` and the staging shell, for one life.
 
-    It lives under the system temp dir, not the state dir, because a Unix socket path
+    It lives under /tmp (KERNEL_PARENT), not the state dir, because a Unix socket path
     (the model socket goes here) must stay short. Its name carries no pid, lineage or
     host detail, since the organism can read it (it is the source of the /kernel mount
     in /proc/self/mountinfo); an owner file beside it names the worker process using it.
     """
-    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX))
+    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX, dir=KERNEL_PARENT))
     owner_file = kernel.with_name(kernel.name + OWNER_SUFFIX)
     try:
         owner_file.write_text(str(os.getpid()))
@@ -249,7 +253,7 @@ def kernel_directory(files: Mapping[str, bytes], identity: SandboxIdentity) -> I
 
 def sweep_kernel_dirs() -> None:
     """Remove the kernel directories of worker processes that were killed."""
-    for owner_file in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
+    for owner_file in KERNEL_PARENT.glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
         try:
             pid = owner_file.read_text().strip()
         except OSError:
