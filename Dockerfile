@@ -34,9 +34,10 @@ ENV PYTHONUNBUFFERED=1 \
 # bubblewrap + emacs-nox: the sandbox and the organism's interpreter.
 # git + openssh-client: the shared lineage repository (path, file:// or ssh://).
 # util-linux (setpriv, mount) is Essential in Debian and already present.
+# libseccomp2: the library the worker compiles each life's syscall filter with.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      bubblewrap emacs-nox git openssh-client ca-certificates \
+      bubblewrap emacs-nox git openssh-client ca-certificates libseccomp2 \
  && rm -rf /var/lib/apt/lists/*
 
 # A fixed uid/gid shared with the git-ssh target, so that the bare repository on

@@ -9,7 +9,7 @@
 #
 # What it does, in order:
 #   1. system packages the host lacks (bubblewrap emacs-nox git python3-venv
-#      dbus-user-session openssh-client), live hosts only;
+#      dbus-user-session openssh-client libseccomp2), live hosts only;
 #   2. the system account `ouroboros` (home /var/lib/ouroboros, no login shell);
 #   3. the release: a virtualenv under /opt/ouroboros/releases/<version>-<hash>
 #      holding this source (or --wheel), built once per source; the symlink
@@ -40,7 +40,7 @@ readonly home=/var/lib/ouroboros
 readonly prefix=/opt/ouroboros
 readonly etc=/etc/ouroboros
 readonly provider_keys=(ANTHROPIC_API_KEY OPENAI_API_KEY OPENAI_COMPATIBLE_API_KEY)
-readonly packages=(bubblewrap emacs-nox git python3-venv dbus-user-session openssh-client)
+readonly packages=(bubblewrap emacs-nox git python3-venv dbus-user-session openssh-client libseccomp2)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source_dir=$(dirname "$here")

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 # systemd brings systemd-analyze (unit checks; it starts no manager); shellcheck
 # checks the deployment scripts.
-packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd shellcheck python3 util-linux strace)
+# libseccomp2 compiles each life's syscall filter (through pyseccomp, in the venv).
+packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd shellcheck python3 util-linux strace libseccomp2)
 if [ "${OUROBOROS_SETUP_BROWSER:-1}" = 1 ]; then
   packages+=(chromium)
 fi

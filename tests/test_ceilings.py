@@ -572,6 +572,7 @@ def test_systemd_unit_carries_the_ceilings_as_properties(standins: Path) -> None
         "TasksMax=64",
         "RuntimeMaxSec=600",
         "KillMode=control-group",
+        "KeyringMode=private",
         "KillSignal=SIGKILL",
     ):
         assert expected in arguments

@@ -20,6 +20,7 @@ import pytest
 from support.model import CONTEXT, PRICES, DoubleProvider, request
 
 from worker.fleet.settings import Settings
+from worker.instrument import syscall_filter
 from worker.instrument.model.ledger import FRAMING_TOKENS
 from worker.instrument.model.prices import BUILTIN_PRICES
 from worker.instrument.model.providers import (
@@ -489,6 +490,7 @@ def test_capabilities_disclose_the_abi_and_physics_but_no_provider_model_price_o
     assert manifest["constraints"]["max_prompt_bytes"] == 1234
     assert manifest["constraints"]["max_output_tokens"] == 567
     assert manifest["constraints"]["budget_usd"] == "0.25"
+    assert manifest["constraints"]["syscall_filter"]["digest"] == syscall_filter.DIGEST
     forbidden = {"anthropic", "openai", "scripted", "claude", "gpt", "http://", "https://"}
     forbidden |= {"api_key", "usd_per_mtok", "double-model"}
     forbidden |= {model for table in BUILTIN_PRICES.values() for model in table}

@@ -13,7 +13,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,8 +23,9 @@ from support.lives import make_lineage, push_hand_commit, run_one
 from scheduler.reader import open_reader
 from worker.fleet import embedded_redis
 from worker.fleet.settings import Settings
+from worker.instrument import syscall_filter
 from worker.instrument.fingerprint import PACKAGE_ROOT
-from worker.instrument.sandbox import KERNEL_PREFIX, OWNER_SUFFIX
+from worker.instrument.sandbox import KERNEL_PARENT, KERNEL_PREFIX, OWNER_SUFFIX
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -123,6 +123,8 @@ def test_scripted_generation_changes_and_next_generation_sees_new_body(fleet: Fl
     # The second life was given the body the first one wrote.
     assert body1 in calls[0]["prompt"]
     assert observation["provenance"]["ceiling_driver"] == "cgroup1"
+    # The life lived under the filter whose digest its capabilities.json disclosed.
+    assert observation["provenance"]["syscall_filter"] == syscall_filter.DIGEST
     assert observation["cpu_usage_nsec"] > 0
     assert observation["memory_peak_bytes"] > 0
     assert observation["figure_sources"]
@@ -464,7 +466,7 @@ print("connected")
 
 def wait_for_kernel_dir(pid: int) -> Path:
     for _ in range(600):
-        for owner in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
+        for owner in KERNEL_PARENT.glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
             kernel = owner.with_name(owner.name.removesuffix(OWNER_SUFFIX))
             with contextlib.suppress(OSError):
                 if owner.read_text() == str(pid) and (kernel / "model.sock").exists():

@@ -378,7 +378,7 @@ def test_bwrap_argv_isolates_the_sandbox(tmp_path: Path, emacs: Path) -> None:
     assert arguments[arguments.index("--cap-drop") + 1] == "ALL"
     assert "--bind" not in arguments and "--dev-bind" not in arguments
     sizes = {arguments[i + 3]: arguments[i + 1] for i, a in enumerate(arguments) if a == "--size"}
-    assert {k: v for k, v in sizes.items() if not k.startswith("/proc/")} == {
+    assert {k: v for k, v in sizes.items() if not k.startswith(("/proc/", "/dev/"))} == {
         "/work": "268435456",
         "/tmp": "67108864",
         "/run": "16777216",
@@ -386,19 +386,36 @@ def test_bwrap_argv_isolates_the_sandbox(tmp_path: Path, emacs: Path) -> None:
     assert all(arguments[i + 2] == "--tmpfs" for i, a in enumerate(arguments) if a == "--size")
     binds = [tuple(arguments[i + 1 : i + 3]) for i, a in enumerate(arguments) if a == "--ro-bind"]
     assert binds[0] == ("/usr", "/usr") and binds[-1] == (str(kernel), "/kernel")
-    # Between them, only /proc's knobs bound read-only onto themselves and masks.
+    # Between them, only /proc's knobs bound read-only onto themselves, masks, and the
+    # life's own boot_id from beside the kernel directory.
+    boot_id = (f"{kernel}.boot_id", "/proc/sys/kernel/random/boot_id")
     assert all(
-        dest.startswith("/proc/") and src in (dest, "/dev/null") for src, dest in binds[1:-1]
+        dest.startswith("/proc/") and src in (dest, "/dev/null")
+        for src, dest in binds[1:-1]
+        if (src, dest) != boot_id
     )
-    assert ("/proc/sys", "/proc/sys") in binds
-    assert arguments[arguments.index("--dev") + 1 : arguments.index("--dev") + 4] == [
+    assert ("/proc/sys", "/proc/sys") in binds and boot_id in binds
+    assert binds.index(("/proc/sys", "/proc/sys")) < binds.index(boot_id)
+    # /dev read-only, with an empty read-only tmpfs over its devpts: no pty at all.
+    assert arguments[arguments.index("--dev") + 1 :][:10] == [
         "/dev",
+        "--perms",
+        "0555",
+        "--size",
+        "4096",
+        "--tmpfs",
+        "/dev/pts",
         "--remount-ro",
-        "/dev",
+        "/dev/pts",
+        "--remount-ro",
     ]
+    assert arguments[arguments.index("--seccomp") + 1] == "3"
+    unfiltered = bwrap_argv(kernel, Physics(), emacs, filtered=False)[1]
+    assert b"--seccomp" not in unfiltered
     settings = [tuple(arguments[i + 1 : i + 3]) for i, a in enumerate(arguments) if a == "--setenv"]
     assert settings == [("HOME", "/tmp"), ("PATH", "/usr/bin:/bin")]
-    assert joined.count(str(tmp_path)) == 1  # the kernel directory, read-only
+    # The kernel directory, read-only, and the boot_id beside it.
+    assert joined.count(str(tmp_path)) == 2
     assert str(lineage) not in joined and ".git" not in joined
 
 
@@ -452,9 +469,11 @@ def test_systemd_scope_carries_a_life_and_its_oom_kill(
     assert (result.exit_status, result.figures.driver) == (3, "systemd")
     assert result.figures.result == "exit-code"
     (call,) = logged_calls(standins / "systemd-run.args")
-    # After env -i PATH=..., the root worker's drop to the life's own uid, then bwrap.
+    # After env -i PATH=..., the shell that opens the syscall filter for bwrap, the root
+    # worker's drop to the life's own uid, then bwrap.
     command = call[call.index("--") + 1 :]
-    assert Path(command[0]).name == "env" and Path(command[3]).name == "setpriv"
+    assert Path(command[0]).name == "env" and command[3:5] == ["/bin/sh", "-c"]
+    assert command[7].endswith(".seccomp") and Path(command[8]).name == "setpriv"
     assert f"--reuid={Settings().sandbox_uid_base}" in command
     assert Path(command[command.index("--") + 1]).name == "bwrap"
     (standins / "oom-kills").write_text("1\n")

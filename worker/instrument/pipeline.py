@@ -30,7 +30,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
-from worker.instrument import index, journal
+from worker.instrument import index, journal, syscall_filter
 from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
@@ -340,6 +340,7 @@ class Pipeline:
                 ceiling_driver=self.host.ceiling_driver,
                 bwrap_version=self.host.bwrap_version,
                 emacs_version=self.host.emacs_version,
+                syscall_filter=syscall_filter.DIGEST,
                 task_id=task_id,
                 attempt=attempt,
                 queue_wait_seconds=queue_wait,

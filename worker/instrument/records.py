@@ -148,6 +148,9 @@ class Provenance(BaseModel):
     ceiling_driver: str
     bwrap_version: str
     emacs_version: str
+    # The digest of the syscall filter the life lived under; None in every observation
+    # recorded before lives had one.
+    syscall_filter: str | None = None
     task_id: str | None = None
     attempt: int = 1
     queue_wait_seconds: float | None = None

@@ -1,12 +1,21 @@
 """The sandbox: one organism life in bubblewrap, inside an aggregate resource scope.
 
 Owns what the organism can see and do (the bwrap options), the host side of a life
-(spawning it in its scope as its identity, the wall clock, reading the bounded result
-tar and stderr concurrently) and the raw account of how it ended
-(``SandboxResult.death``). What the organism sees: /usr read-only, a read-only /dev,
-/proc with the kernel's knobs read-only and its host-disclosing files masked, sized
-tmpfs /work, /tmp and /run, the kernel directory read-only at /kernel; no network, no
-capability, no uid that maps to host root (worker.instrument.identity).
+(spawning it in its scope as its identity, in a session keyring of its own, under the
+syscall filter; the wall clock, reading the bounded result tar and stderr concurrently)
+and the raw account of how it ended (``SandboxResult.death``). What the organism sees:
+/usr read-only, a read-only /dev without ptys, /proc with the kernel's knobs read-only,
+its host-disclosing files masked and a boot_id of the life's own, sized tmpfs /work,
+/tmp and /run, the kernel directory read-only at /kernel; no network, no capability, no
+uid that maps to host root (worker.instrument.identity), no keyring of the worker's
+(worker.instrument.keyring), no system call the filter refuses
+(worker.instrument.syscall_filter).
+
+No pty: a life runs Emacs in batch mode, which reads no terminal, and Emacs gives a
+subprocess pipes when no pty can be had. bwrap's /dev holds a devpts instance of its
+own, but every non-initial instance draws on one host-wide pool (kernel.pty.max less
+kernel.pty.reserve) that one life could empty for every other, so an empty read-only
+tmpfs covers /dev/pts and /dev/ptmx leads nowhere.
 
 Trusts the ceiling driver for the CPU, memory and task ceilings and their figures, and
 ``sandbox_scripts/stage.sh`` (written into the kernel directory by the pipeline) for
@@ -24,6 +33,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +41,7 @@ from typing import IO
 
 from pydantic import BaseModel, ConfigDict
 
+from worker.instrument import keyring, syscall_filter
 from worker.instrument.ceilings import Ceiling, Figures
 from worker.instrument.errors import Refusal
 from worker.instrument.identity import SandboxIdentity
@@ -42,7 +53,21 @@ SANDBOX_PATH = "/usr/bin:/bin"
 HOST_ENV = {"PATH": SANDBOX_PATH}
 STAGE_SCRIPT = "/kernel/stage.sh"
 KERNEL_PREFIX = "ouroboros-kernel-"
+# The kernel directory's parent is the life's to read (/proc/self/mountinfo names the
+# source of /kernel): /tmp on every host, never the worker's TMPDIR, which may name a
+# user or a deployment.
+KERNEL_PARENT = Path("/tmp")
 OWNER_SUFFIX = ".owner"
+# Beside the kernel directory, never inside it (the life sees that): the compiled syscall
+# filter, which the worker opens for bwrap, and the life's own boot_id.
+FILTER_SUFFIX = ".seccomp"
+BOOT_ID_SUFFIX = ".boot_id"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+# The descriptor on which bwrap reads the filter (--seccomp).
+FILTER_FD = 3
+# Opens the filter on FILTER_FD for the command that follows; the path is an argument of
+# this shell only, which execs at once, so no long-lived argv names a host path.
+_OPEN_FILTER = f'filter=$1; shift; exec "$@" {FILTER_FD}<"$filter"'
 # The kernel directory's copy of the host's /bin/sh, executable but not readable by the
 # sandbox: running it makes the staging runner non-dumpable (see sandbox_scripts/stage.sh).
 STAGE_SHELL = "/kernel/sh"
@@ -51,6 +76,7 @@ MASKED_PROC = (
     "/proc/acpi",
     "/proc/asound",
     "/proc/cmdline",
+    "/proc/config.gz",
     "/proc/kcore",
     "/proc/keys",
     "/proc/latency_stats",
@@ -112,11 +138,15 @@ def resolve_emacs() -> Path:
     return real
 
 
-def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> tuple[list[str], bytes]:
+def bwrap_argv(
+    kernel_dir: Path, physics: Physics, emacs: Path, filtered: bool = True
+) -> tuple[list[str], bytes]:
     """The bwrap command line of one life and its options, which bwrap reads from stdin.
 
     The options travel on stdin (``--args 0``), not in the argv, because the argv of a
-    process is readable by anyone who can see it and they name host paths.
+    process is readable by anyone who can see it and they name host paths. With
+    ``filtered`` (always, but in the bench that prices it), bwrap loads the filter
+    it reads on FILTER_FD (see ``run_sandbox``).
     """
     bwrap = shutil.which("bwrap")
     if bwrap is None:
@@ -146,9 +176,14 @@ def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> tuple[list[st
         *(item for link, target in USR_SYMLINKS.items() for item in ("--symlink", target, link)),
         *("--proc", "/proc"),
         *_kernel_interfaces_closed(),
+        # Every life has a boot_id of its own: the host's would tell lives apart by host
+        # and tie lives of one host together.
+        *("--ro-bind", str(_beside(kernel_dir, BOOT_ID_SUFFIX)), BOOT_ID),
         # A read-only /dev: its devices still work, but nothing can be stored there
-        # (an unsized tmpfs at /dev or /dev/shm would bypass tmp_bytes).
-        *("--dev", "/dev", "--remount-ro", "/dev"),
+        # (an unsized tmpfs at /dev or /dev/shm would bypass tmp_bytes). No ptys: see
+        # the module's docstring.
+        *("--dev", "/dev", "--perms", "0555", "--size", "4096", "--tmpfs", "/dev/pts"),
+        *("--remount-ro", "/dev/pts", "--remount-ro", "/dev"),
         *("--size", str(physics.work_bytes), "--tmpfs", "/work"),
         *("--size", str(physics.tmp_bytes), "--tmpfs", "/tmp"),
         *("--size", str(physics.run_bytes), "--tmpfs", "/run"),
@@ -156,6 +191,7 @@ def bwrap_argv(kernel_dir: Path, physics: Physics, emacs: Path) -> tuple[list[st
         # bwrap's root is an unsized tmpfs: only /work, /tmp and /run stay writable.
         *("--remount-ro", "/"),
         *("--chdir", "/work"),
+        *(("--seccomp", str(FILTER_FD)) if filtered else ()),
     ]
     argv = [bwrap, "--args", "0", "--", STAGE_SHELL, STAGE_SCRIPT, str(emacs)]
     return argv, b"".join(option.encode() + b"\0" for option in options)
@@ -185,18 +221,23 @@ def _kernel_interfaces_closed() -> list[str]:
 def kernel_directory(files: Mapping[str, bytes], identity: SandboxIdentity) -> Iterator[Path]:
     """A fresh kernel directory holding ``files`` and the staging shell, for one life.
 
-    It lives under the system temp dir, not the state dir, because a Unix socket path
+    It lives under /tmp (KERNEL_PARENT), not the state dir, because a Unix socket path
     (the model socket goes here) must stay short. Its name carries no pid, lineage or
     host detail, since the organism can read it (it is the source of the /kernel mount
     in /proc/self/mountinfo); an owner file beside it names the worker process using it.
     """
-    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX))
+    kernel = Path(tempfile.mkdtemp(prefix=KERNEL_PREFIX, dir=KERNEL_PARENT))
     owner_file = kernel.with_name(kernel.name + OWNER_SUFFIX)
     try:
         owner_file.write_text(str(os.getpid()))
         for name, data in files.items():
             (kernel / name).write_bytes(data)
             (kernel / name).chmod(0o644)
+        # The worker's alone: bwrap reads it on a descriptor the worker opened.
+        _create(_beside(kernel, FILTER_SUFFIX), syscall_filter.compiled(), 0o600)
+        boot_id = _beside(kernel, BOOT_ID_SUFFIX)
+        _create(boot_id, f"{uuid.uuid4()}\n".encode(), 0o444)
+        identity.own(boot_id)
         # Executable but unreadable for the life: see sandbox_scripts/stage.sh.
         shutil.copyfile(os.path.realpath("/bin/sh"), kernel / "sh")
         (kernel / "sh").chmod(0o111)
@@ -207,21 +248,41 @@ def kernel_directory(files: Mapping[str, bytes], identity: SandboxIdentity) -> I
             identity.own(path)
         yield kernel
     finally:
-        shutil.rmtree(kernel, ignore_errors=True)
-        owner_file.unlink(missing_ok=True)
+        _remove(kernel)
 
 
 def sweep_kernel_dirs() -> None:
     """Remove the kernel directories of worker processes that were killed."""
-    for owner_file in Path(tempfile.gettempdir()).glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
+    for owner_file in KERNEL_PARENT.glob(f"{KERNEL_PREFIX}*{OWNER_SUFFIX}"):
         try:
             pid = owner_file.read_text().strip()
         except OSError:
             continue
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            kernel = owner_file.with_name(owner_file.name.removesuffix(OWNER_SUFFIX))
-            shutil.rmtree(kernel, ignore_errors=True)
-            owner_file.unlink(missing_ok=True)
+            _remove(owner_file.with_name(owner_file.name.removesuffix(OWNER_SUFFIX)))
+
+
+def _create(path: Path, data: bytes, mode: int) -> None:
+    """A new file at ``path`` holding ``data``: never one planted there, never through a link.
+
+    The temp dir is shared with every local user, who can read the kernel directory's
+    name and race to put a file or a symlink beside it first.
+    """
+    handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(handle, "wb") as file:
+        file.write(data)
+    path.chmod(mode)
+
+
+def _beside(kernel: Path, suffix: str) -> Path:
+    return kernel.with_name(kernel.name + suffix)
+
+
+def _remove(kernel: Path) -> None:
+    """The kernel directory and what lies beside it; the owner file last, as its mark."""
+    shutil.rmtree(kernel, ignore_errors=True)
+    for suffix in (FILTER_SUFFIX, BOOT_ID_SUFFIX, OWNER_SUFFIX):
+        _beside(kernel, suffix).unlink(missing_ok=True)
 
 
 def run_sandbox(
@@ -231,21 +292,45 @@ def run_sandbox(
     label: str,
     emacs: Path,
     identity: SandboxIdentity,
+    filtered: bool = True,
 ) -> SandboxResult:
     """Live one life of the organism in ``kernel_dir`` under ``physics`` as ``identity``.
 
     Never raises for the organism: only for host faults (CeilingError, OSError, Refusal);
     every way the organism can end, including overrunning its wall time or its archive
-    cap, is a result. The process joins its scope first (as the worker), then drops to
-    ``identity``; ``kernel_dir`` must already belong to that identity.
+    cap, is a result. The process is forked in a fresh session keyring, joins its scope
+    (as the worker), opens the filter for bwrap, then drops to ``identity``;
+    ``kernel_dir`` must already belong to that identity. ``filtered=False`` is
+    for the bench that prices the filter, never for a generation.
+
+    The whole life is watched from the thread that joined the keyring and forked it:
+    bwrap's --die-with-parent follows the forking thread, not the worker process.
     """
-    argv, options = bwrap_argv(kernel_dir, physics, emacs)
+    return keyring.in_fresh_session_keyring(
+        lambda: _live(kernel_dir, physics, ceiling, label, emacs, identity, filtered)
+    )
+
+
+def _live(
+    kernel_dir: Path,
+    physics: Physics,
+    ceiling: Ceiling,
+    label: str,
+    emacs: Path,
+    identity: SandboxIdentity,
+    filtered: bool,
+) -> SandboxResult:
+    argv, options = bwrap_argv(kernel_dir, physics, emacs, filtered)
+    command = identity.command(argv)
+    if filtered:
+        filter_file = str(_beside(kernel_dir, FILTER_SUFFIX))
+        command = ["/bin/sh", "-c", _OPEN_FILTER, "ouroboros-filter", filter_file, *command]
     with ceiling.open(physics, label) as enclosure:
         started = time.monotonic()
         options_pipe = _readable(options)
         try:
             process = subprocess.Popen(
-                enclosure.command(identity.command(argv)),
+                enclosure.command(command),
                 stdin=options_pipe,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

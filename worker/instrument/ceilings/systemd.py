@@ -124,6 +124,10 @@ class SystemdEnclosure(Enclosure):
             f"TasksMax={physics.tasks_max}",
             f"RuntimeMaxSec={physics.wall_seconds}",
             "KillMode=control-group",
+            # The unit's process is the manager's child, not the worker's: the manager
+            # gives it the fresh session keyring (worker.instrument.keyring) the worker
+            # gives its own children; a user manager's default would share its own.
+            "KeyringMode=private",
             # The manager's own stop (RuntimeMaxSec, or the main process killed below)
             # ends whatever the life left in the cgroup at once: a hostile organism
             # cannot hold its unit up by ignoring SIGTERM.

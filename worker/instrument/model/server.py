@@ -95,6 +95,7 @@ from typing import Any, Literal
 
 import h11
 
+from worker.instrument import syscall_filter
 from worker.instrument.model.ledger import BudgetExhausted, Ledger, Reservation
 from worker.instrument.model.prices import Prices
 from worker.instrument.model.providers import (
@@ -276,6 +277,10 @@ def capabilities(physics: Physics) -> dict[str, Any]:
             "cpu_quota_percent": physics.cpu_quota_percent,
             "archive_cap_bytes": physics.archive_cap_bytes,
             "network": "none",
+            "syscall_filter": {
+                "digest": syscall_filter.DIGEST,
+                "refused": "EPERM (clone3: ENOSYS, so that libc falls back to clone)",
+            },
         },
     }
 
