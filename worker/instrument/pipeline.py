@@ -40,9 +40,10 @@ from worker.instrument.identity import IdentityPool
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.keys import generation_key
 from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
+from worker.instrument.model.capabilities import capabilities
 from worker.instrument.model.providers import GenerationContext, Provider, make_provider
 from worker.instrument.model.retry import RetryPolicy
-from worker.instrument.model.server import ModelSocket, capabilities
+from worker.instrument.model.server import ModelSocket
 from worker.instrument.model.throttle import LocalThrottle, Throttle
 from worker.instrument.names import JOURNAL_PATH, KERNEL_OWNED, ORGANISM_PATH
 from worker.instrument.physics import Physics
