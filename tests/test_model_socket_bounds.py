@@ -330,6 +330,7 @@ def test_the_manifest_discloses_every_limit_the_socket_enforces() -> None:
         "requests_per_connection": 1,
         "calls_per_generation": model_socket.MAX_CALLS,
         "audited_text_bytes": model_socket.AUDIT_TEXT_BYTES,
+        "refused_text_bytes": model_socket.REFUSED_TEXT_BYTES,
     }
     assert all(limit["beyond"] for limit in limits.values())
 

@@ -88,6 +88,13 @@ PHYSICS_OPTIONS = [
         help="Seconds a model call leaves before the wall [10].",
     ),
     click.option("--budget-usd", type=USD, help="Spending budget per generation [1.00]."),
+    click.option(
+        "--generation-repo-bytes",
+        help="What a generation may add to the shared repository [8M].",
+    ),
+    click.option(
+        "--lineage-repo-bytes", help="What a lineage may add to the shared repository [1G]."
+    ),
 ]
 
 

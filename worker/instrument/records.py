@@ -25,9 +25,17 @@ Outcome = Literal[
     "wall_timeout",
     "cgroup_oom",
     "decoder_rejection",
+    "footprint_exceeded",
 ]
 DEATHS: frozenset[str] = frozenset(
-    {"process_exit", "signal", "wall_timeout", "cgroup_oom", "decoder_rejection"}
+    {
+        "process_exit",
+        "signal",
+        "wall_timeout",
+        "cgroup_oom",
+        "decoder_rejection",
+        "footprint_exceeded",
+    }
 )
 # How a model's answer ended, as the socket tells the organism (X-Ouroboros-Stop-Reason):
 # complete, cut at the output token limit, refused by the model, or stopped short for
@@ -180,6 +188,10 @@ class Observation(BaseModel):
     archive_bytes: int
     published_bytes: int
     published_files: int
+    # What the generation added to the shared repository as ``growth`` counts it, and
+    # the lineage's total after it; None in a record made before the count existed.
+    repo_bytes: int | None = None
+    lineage_repo_bytes: int | None = None
     provider: str
     model: str | None
     constraints: Physics

@@ -4,7 +4,10 @@ Owns the ``ModelCall`` records the observation will hold, and what of the organi
 text they keep: each record keeps its sizes, hashes, tokens, cost and attempts, and
 its prompt and answer while the text audited so far fits ``limits.AUDIT_TEXT_BYTES``
 (counted as the observation's JSON will spell it); past that, the text is omitted
-and the record says so (``text_omitted``). Also owns the answer a recorded call
+and the record says so (``text_omitted``). The text of calls never sent to the model
+(refused 400, 402 or too late, which cost the organism nothing) also counts toward
+``limits.REFUSED_TEXT_BYTES``, a small cap of their own, so that free calls cannot
+fill the observation. Also owns the answer a recorded call
 gives its client, which for a 200 is the model's text repaired to UTF-8 exactly as
 the record keeps it.
 
@@ -34,6 +37,7 @@ class Audit:
         self._lock = threading.Lock()
         self._calls: list[ModelCall] = []
         self._audited_text = 0
+        self._refused_text = 0
 
     @property
     def calls(self) -> list[ModelCall]:
@@ -71,11 +75,15 @@ class Audit:
         prompt = call.prompt.decode("utf-8", errors="replace")
         # Counted as the record will be written: JSON spells a control byte in 6.
         text_bytes = _json_bytes(prompt) + (_json_bytes(response) if response else 0)
+        refused = not call.attempts
         with self._lock:
-            # Past the cap a record keeps sizes, hashes, tokens and cost, never the text.
-            keep_text = self._audited_text + text_bytes <= limits.AUDIT_TEXT_BYTES
+            # Past a cap a record keeps sizes, hashes, tokens and cost, never the text.
+            keep_text = self._audited_text + text_bytes <= limits.AUDIT_TEXT_BYTES and (
+                not refused or self._refused_text + text_bytes <= limits.REFUSED_TEXT_BYTES
+            )
             if keep_text:
                 self._audited_text += text_bytes
+                self._refused_text += text_bytes if refused else 0
         record = ModelCall(
             index=call.index,
             started_at=call.started_at,

@@ -116,6 +116,13 @@ def capabilities(physics: Physics) -> dict[str, Any]:
                         "max": limits.AUDIT_TEXT_BYTES,
                         "beyond": "later prompts and answers audited by size and sha256 only",
                     },
+                    "refused_text_bytes": {
+                        "max": limits.REFUSED_TEXT_BYTES,
+                        "beyond": (
+                            "later calls answered without reaching the model (400, 402, "
+                            "502 too late) audited by size and sha256 only"
+                        ),
+                    },
                 },
                 "spending": (
                     "each call first reserves its worst case from budget_usd: every prompt "

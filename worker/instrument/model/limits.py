@@ -19,3 +19,6 @@ ANSWER_SECONDS = 10
 # and written whole into the observation, outside the sandbox's memory ceiling.
 MAX_CALLS = 1000
 AUDIT_TEXT_BYTES = 32 * 1024 * 1024
+# Of that, what calls never sent to the model (refused 400, 402, too late) may keep: the
+# organism can make such calls at no cost, as fast as it likes, with the largest prompt.
+REFUSED_TEXT_BYTES = 1024 * 1024
