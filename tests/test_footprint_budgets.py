@@ -139,6 +139,50 @@ def test_a_lineage_reaches_its_total_over_several_generations_and_then_grows_no_
     assert message(fleet, "grower").endswith(f"\n\n{growth.TRAILER}: {3 * each}")
 
 
+# A life that makes every call it may with the largest prompt the socket takes, each
+# invalid UTF-8 and so refused 400 before any reservation: free to the organism.
+REFUSING = """
+import socket
+body = b"\\xff" * {size}
+head = b"POST /generate HTTP/1.1\\r\\nHost: k\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body)
+for _ in range({calls}):
+    client = socket.socket(socket.AF_UNIX)
+    client.connect("/kernel/model.sock")
+    client.sendall(head + body)
+    while client.recv(65536):
+        pass
+    client.close()
+"""
+
+
+def elisp_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_life_of_a_thousand_free_calls_leaves_an_observation_of_a_few_megabytes(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    script = REFUSING.format(size=Physics().max_prompt_bytes, calls=limits.MAX_CALLS)
+    body = f'(call-process "/usr/bin/python3" nil nil nil "-c" {elisp_string(script)})\n'
+    make_lineage(fleet, "chatter", body, "--wall", "300", "--cpu-seconds", "300")
+
+    run_one(fleet, "chatter")
+
+    stored = fleet.observation_path("chatter", 1).stat().st_size
+    observation = fleet.observation("chatter", 1)
+    calls = observation["model_calls"]
+    assert isinstance(calls, list) and len(calls) == limits.MAX_CALLS
+    assert {call["status"] for call in calls} == {400}
+    kept = sum(len(json.dumps(c["prompt"], ensure_ascii=False).encode()) for c in calls)
+    assert 0 < kept <= limits.REFUSED_TEXT_BYTES
+    # The issue's life left 34.7 MB; the cap leaves its 1 MiB and a record per call.
+    assert stored < limits.REFUSED_TEXT_BYTES + 2 * 1024**2
+
+
 # --- the count -----------------------------------------------------------------------------
 
 
