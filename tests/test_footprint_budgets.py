@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pygit2
 import pytest
-from support.browse import sample_observation
+from support.browse import Served, sample_observation
 from support.fleet import Fleet
 from support.lives import make_lineage, push_hand_commit, run_one
 from support.model import CONTEXT, DoubleProvider, request
@@ -137,6 +137,21 @@ def test_a_lineage_reaches_its_total_over_several_generations_and_then_grows_no_
     assert fleet.subjects("grower")[0] == DIED.format(4)
     assert len(noise_files(fleet, "grower")) == 3
     assert message(fleet, "grower").endswith(f"\n\n{growth.TRAILER}: {3 * each}")
+    # The read side tells of it: status counts the death, the web shows why and how much.
+    (row,) = json.loads(fleet.ok("status", "--json").stdout)
+    assert (row["lineage"], row["deaths"], row["last_outcome"]) == (
+        "grower",
+        1,
+        "footprint_exceeded",
+    )
+    served = Served(fleet, tmp_path / "serve.log")
+    try:
+        page = served.get("/lineages/grower/generations/4").text
+        assert "footprint_exceeded" in page and "lineage_repo_bytes budget" in page
+        page = served.get("/lineages/grower/generations/3").text
+        assert f"{each} bytes added; the lineage's total {3 * each} of {2 * 1024**2}" in page
+    finally:
+        served.stop()
 
 
 # A life that makes every call it may with the largest prompt the socket takes, each
