@@ -26,9 +26,14 @@ decoder.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pygit2
+
+if TYPE_CHECKING:
+    from worker.instrument.decoder import TreeEntry
 
 BLOCK_BYTES = 4096
 TRAILER = "Repository-Bytes"
@@ -41,6 +46,16 @@ def object_bytes(size: int) -> int:
     # zlib's compressBound: deflate never makes anything longer than this.
     bound = raw + (raw >> 12) + (raw >> 14) + (raw >> 25) + 13
     return -(-bound // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def tree_blobs(decoded: Iterable[TreeEntry], root: Path) -> Iterator[tuple[str, int]]:
+    """The blobs (sha, size) of a tree decoded under ``root``, hashed, never written."""
+    for entry in decoded:
+        if entry.kind == "file":
+            yield str(pygit2.hashfile(str(root / entry.path))), entry.size
+        elif entry.kind == "symlink" and entry.target is not None:
+            target = entry.target.encode()
+            yield str(pygit2.hash(target)), len(target)
 
 
 def new_bytes(repo: pygit2.Repository, blobs: Iterable[tuple[str, int]]) -> int:

@@ -30,8 +30,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
-import pygit2
-
 from worker.instrument import growth, index, journal
 from worker.instrument.ceilings import Ceiling
 from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
@@ -480,7 +478,7 @@ class Pipeline:
         over either adds nothing to the shared repository.
         """
         physics = plan.physics
-        added = growth.new_bytes(self.cache.repo, _blobs(decoded, root))
+        added = growth.new_bytes(self.cache.repo, growth.tree_blobs(decoded, root))
         if added > physics.generation_repo_bytes:
             return "footprint_exceeded", (
                 f"the tree would add {added} bytes to the shared repository, more than "
@@ -642,16 +640,6 @@ def _base_tar(tree: Mapping[str, Entry], blobs: Mapping[str, bytes]) -> bytes:
                 continue
             archive.addfile(info, io.BytesIO(data) if info.isreg() else None)
     return buffer.getvalue()
-
-
-def _blobs(decoded: list[TreeEntry], root: Path) -> Iterator[tuple[str, int]]:
-    """The blobs (sha, size) a decoded tree is made of, hashed without being written."""
-    for e in decoded:
-        if e.kind == "file":
-            yield str(pygit2.hashfile(str(root / e.path))), e.size
-        elif e.kind == "symlink" and e.target is not None:
-            target = e.target.encode()
-            yield str(pygit2.hash(target)), len(target)
 
 
 def _shell_status(result: SandboxResult) -> int:
