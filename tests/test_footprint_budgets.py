@@ -198,6 +198,7 @@ def test_a_life_of_a_thousand_free_calls_leaves_an_observation_of_a_few_megabyte
     assert stored < limits.REFUSED_TEXT_BYTES + 2 * 1024**2
 
 
+@pytest.mark.full
 def test_a_budget_below_its_floor_is_refused_naming_the_option(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     refused = fleet.cli("init", "tiny", "--generation-repo-bytes", "1K")
