@@ -21,7 +21,9 @@ from support.model import CONTEXT, PRICES, DoubleProvider, request
 
 from worker.fleet.settings import Settings
 from worker.instrument import syscall_filter
+from worker.instrument.model.capabilities import capabilities
 from worker.instrument.model.ledger import FRAMING_TOKENS
+from worker.instrument.model.limits import MAX_CONNECTIONS
 from worker.instrument.model.prices import BUILTIN_PRICES
 from worker.instrument.model.providers import (
     Provider,
@@ -29,7 +31,7 @@ from worker.instrument.model.providers import (
     make_provider,
 )
 from worker.instrument.model.retry import RetryPolicy
-from worker.instrument.model.server import MAX_CONNECTIONS, ModelSocket, capabilities
+from worker.instrument.model.server import ModelSocket
 from worker.instrument.model.throttle import Cap, LocalThrottle, Throttle
 from worker.instrument.physics import Physics
 from worker.instrument.records import STOP_REASONS, StopReason

@@ -24,16 +24,16 @@ from pathlib import Path
 import pytest
 from support.model import CONTEXT, PRICES, DoubleProvider, request
 
-from worker.instrument.model import server as model_socket
-from worker.instrument.model.providers import GenerationContext, Provider, ProviderReply
-from worker.instrument.model.server import (
+from worker.instrument.model import limits as model_socket
+from worker.instrument.model.capabilities import capabilities
+from worker.instrument.model.limits import (
     ANSWER_SECONDS,
     MAX_CONNECTIONS,
     MAX_HEAD_BYTES,
     REQUEST_SECONDS,
-    ModelSocket,
-    capabilities,
 )
+from worker.instrument.model.providers import GenerationContext, Provider, ProviderReply
+from worker.instrument.model.server import ModelSocket
 from worker.instrument.physics import Physics
 
 CALL = b"POST /generate HTTP/1.1\r\nHost: kernel\r\nContent-Length: 2\r\n\r\nhi"
@@ -330,6 +330,7 @@ def test_the_manifest_discloses_every_limit_the_socket_enforces() -> None:
         "requests_per_connection": 1,
         "calls_per_generation": model_socket.MAX_CALLS,
         "audited_text_bytes": model_socket.AUDIT_TEXT_BYTES,
+        "refused_text_bytes": model_socket.REFUSED_TEXT_BYTES,
     }
     assert all(limit["beyond"] for limit in limits.values())
 

@@ -38,9 +38,11 @@ from worker.fleet import embedded_redis
 from worker.fleet.model_throttle import RedisThrottle
 from worker.fleet.settings import Settings
 from worker.instrument.journal import subject_died, subject_no_change, unavailable_mark
+from worker.instrument.model.capabilities import capabilities
+from worker.instrument.model.engine import TOO_LATE
 from worker.instrument.model.providers import GenerationContext, make_provider
 from worker.instrument.model.retry import RetryPolicy
-from worker.instrument.model.server import TOO_LATE, ModelSocket, capabilities
+from worker.instrument.model.server import ModelSocket
 from worker.instrument.model.throttle import Cap, LocalThrottle, Throttle
 from worker.instrument.names import generation_number
 from worker.instrument.physics import Physics

@@ -44,8 +44,8 @@ from worker.instrument.lineage import (
     root_metadata,
 )
 from worker.instrument.model.catalogue import require_known
+from worker.instrument.model.engine import waits
 from worker.instrument.model.providers import make_provider
-from worker.instrument.model.server import waits
 from worker.instrument.physics import Physics
 from worker.instrument.store import StoreUnavailable
 
@@ -89,6 +89,13 @@ PHYSICS_OPTIONS = [
         help="Seconds a model call leaves before the wall [10].",
     ),
     click.option("--budget-usd", type=USD, help="Spending budget per generation [1.00]."),
+    click.option(
+        "--generation-repo-bytes",
+        help="What a generation may add to the shared repository [8M].",
+    ),
+    click.option(
+        "--lineage-repo-bytes", help="What a lineage may add to the shared repository [1G]."
+    ),
 ]
 
 
@@ -333,7 +340,7 @@ def run_local(
 class _Waits(logging.Handler):
     """Prints what the life of ``run --local`` waits for, from the model socket's log.
 
-    Its lines are the instrument's own words (``worker.instrument.model.server.waits``):
+    Its lines are the instrument's own words (``worker.instrument.model.engine.waits``):
     a model call's attempt as it starts, and a failed attempt with the time of the next.
     """
 

@@ -80,12 +80,23 @@ def entry_changed(generation: int, summary: str, when: datetime, mark: str = "")
     return _heading(generation, f"changed — {summary}{mark}", when)
 
 
-def entry_died(generation: int, exit_code: int, stderr: str, when: datetime, mark: str = "") -> str:
+def entry_died(
+    generation: int,
+    exit_code: int,
+    stderr: str,
+    when: datetime,
+    mark: str = "",
+    *,
+    reason: str | None = None,
+) -> str:
+    """A death's entry: its exit status, the kernel's reason when it has one, and the
+    last lines of stderr."""
     text = stderr.rstrip()
     # Lines end at a newline only: a CR or another break inside a line is shown, escaped.
     tail = text.split("\n")[-JOURNAL_STDERR_LINES:] if text else []
     fenced = "".join(f"{_inert(_legible(_shortened(line)))}\n" for line in tail)
-    return _heading(generation, f"died{mark}", when) + f"exit {exit_code}\n~~~\n{fenced}~~~\n"
+    why = f"{_inert(_legible(reason))}\n" if reason else ""
+    return _heading(generation, f"died{mark}", when) + f"exit {exit_code}\n{why}~~~\n{fenced}~~~\n"
 
 
 def _shortened(line: str) -> str:

@@ -1,9 +1,11 @@
 """The physics of a lineage: the constraints every generation lives under.
 
-Owns the constraint model, its defaults (those of the single-host original), the
-parsing of human sizes such as ``1G``, and the derived figures (CPU quota, the
-result-archive cap). Physics are pinned in the lineage root at creation and read
-back from there; nothing else may change them for an existing lineage.
+Owns the constraint model, its defaults (those of the single-host original), the parsing
+of human sizes such as ``1G``, and the derived figures (CPU quota, the result-archive
+cap). Among the constraints are the footprint budgets on the shared repository
+(``generation_repo_bytes``, ``lineage_repo_bytes``; ``growth`` counts them). Physics are
+pinned in the lineage root at creation and read back from there; nothing else may change
+them for an existing lineage.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 # default CPU quota (20% of a core) to hear a 502, write what it chooses and exit, and
 # for the stage to pack /work, yet under 2% of the default 600 s wall.
 MODEL_MARGIN_SECONDS = 10
+GENERATION_REPO_BYTES = 8 * 1024**2
+LINEAGE_REPO_BYTES = 1024**3
 
 
 def parse_size(value: object) -> int:
@@ -63,6 +67,12 @@ class Physics(BaseModel):
     # MODEL_MARGIN_SECONDS, or half the wall if that is shorter.
     model_margin_seconds: int = Field(MODEL_MARGIN_SECONDS, ge=0, le=24 * 3600)
     budget_usd: Decimal = Field(Decimal("1.00"), ge=0, le=1_000_000, decimal_places=6)
+    # What a generation, and a lineage in all, may add to the shared repository, as
+    # ``growth`` counts it. A lineage pinned before these existed reads back with the
+    # defaults: 512 times a generation's 8 MiB, far above what a lineage's organism.el
+    # and notes add, far below what would fill a fleet's disks.
+    generation_repo_bytes: Size = Field(GENERATION_REPO_BYTES, ge=64 * 1024, le=64 * 1024**3)
+    lineage_repo_bytes: Size = Field(LINEAGE_REPO_BYTES, ge=64 * 1024, le=1024**4)
 
     @model_validator(mode="before")
     @classmethod

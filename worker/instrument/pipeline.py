@@ -30,7 +30,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
-from worker.instrument import index, journal, syscall_filter
+from worker.instrument import growth, index, journal, syscall_filter
 from worker.instrument.decoder import DecodeLimits, DecoderRejection, TreeEntry, decode_archive
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
@@ -38,12 +38,14 @@ from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.host import HostFacts, Sandbox
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.lineage import LineageMetadata, check_continuable, check_name, root_metadata
+from worker.instrument.model.capabilities import capabilities
 from worker.instrument.model.prices import Prices
 from worker.instrument.model.providers import GenerationContext, Provider, make_provider
 from worker.instrument.model.retry import RetryPolicy
-from worker.instrument.model.server import ModelSocket, capabilities
+from worker.instrument.model.server import ModelSocket
 from worker.instrument.model.throttle import LocalThrottle, Throttle
 from worker.instrument.names import JOURNAL_PATH, KERNEL_OWNED, ORGANISM_PATH
+from worker.instrument.observation_bound import bounded
 from worker.instrument.physics import Physics
 from worker.instrument.records import (
     ModelCall,
@@ -105,6 +107,10 @@ class Verdict(NamedTuple):
     summary: str
     published_bytes: int
     published_files: int
+    # What the organism's tree added to the shared repository, and the lineage's total
+    # after it (``growth``).
+    repo_bytes: int = 0
+    lineage_repo_bytes: int = 0
 
 
 class Pipeline:
@@ -273,8 +279,15 @@ class Pipeline:
             # The journal wants the last lines the organism wrote, which a cut record lacks.
             _, truncated = cap_stderr(life.result.stderr)
             last = life.result.stderr_tail if truncated else life.result.stderr
+            # Only this death's reason is the kernel's own words, not the organism's.
+            reason = verdict.rejection if verdict.outcome == "footprint_exceeded" else None
             entry = journal.entry_died(
-                generation, exit_code, last.decode("utf-8", errors="replace"), finished, mark
+                generation,
+                exit_code,
+                last.decode("utf-8", errors="replace"),
+                finished,
+                mark,
+                reason=reason,
             )
         journal_sha = tree[JOURNAL_PATH].sha if JOURNAL_PATH in tree else None
         before = plan.blobs.get(journal_sha, b"") if journal_sha else b""
@@ -286,7 +299,8 @@ class Pipeline:
             self._journals.popitem(last=False)
         entries = dict(verdict.entries)
         entries[JOURNAL_PATH] = Entry("100644", sha)
-        return self.cache.commit(plan.parent, entries, subject)
+        trailer = growth.trailer(verdict.lineage_repo_bytes)
+        return self.cache.commit(plan.parent, entries, f"{subject}\n\n{trailer}")
 
     def _observation(
         self,
@@ -297,11 +311,12 @@ class Pipeline:
         task_id: str | None,
         attempt: int,
     ) -> Observation:
-        """The trusted record of the generation: everything the worker saw and spent."""
+        """The trusted record of the generation: everything the worker saw and spent,
+        within ``observation_bound.OBSERVATION_MAX_BYTES``."""
         result, job = life.result, plan.job
         stderr_text, truncated = cap_stderr(result.stderr)
         queue_wait = (life.started - job.enqueued_at).total_seconds() if job.enqueued_at else None
-        return Observation(
+        observation = Observation(
             lineage=job.lineage,
             generation=plan.generation,
             parent_commit=plan.parent,
@@ -321,6 +336,8 @@ class Pipeline:
             archive_bytes=result.archive_bytes,
             published_bytes=verdict.published_bytes,
             published_files=verdict.published_files,
+            repo_bytes=verdict.repo_bytes,
+            lineage_repo_bytes=verdict.lineage_repo_bytes,
             provider=plan.provider.name,
             model=plan.provider.model,
             constraints=plan.physics,
@@ -346,6 +363,7 @@ class Pipeline:
                 queue_wait_seconds=queue_wait,
             ),
         )
+        return bounded(observation)
 
     def _publish(self, plan: Plan, commit: str, observation: Observation) -> bool:
         """Spool the publication, then push and record it; whether the observation landed."""
@@ -418,9 +436,13 @@ class Pipeline:
         A tree the decoder accepts must also unpack into the next life's /work, or every
         life after it would die before its first form. The decoder counts bytes, a tmpfs
         whole pages, and a file the organism wrote sparse unpacks dense, so a result whose
-        ``Footprint`` does not fit the physics is a ``decoder_rejection`` as well.
+        ``Footprint`` does not fit the physics is a ``decoder_rejection`` as well. A tree
+        whose new objects would take the generation or the lineage over its footprint
+        budget on the shared repository (``growth``) dies ``footprint_exceeded``. Every
+        death is rolled back (``_rolled_back``).
         """
-        physics, tree = plan.physics, plan.tree
+        physics = plan.physics
+        before = growth.recorded_total(self.cache.repo, plan.parent)
         death = result.death()
         rejection = "result archive exceeds the cap" if death == "decoder_rejection" else None
         if death is None:
@@ -433,21 +455,49 @@ class Pipeline:
             except DecoderRejection as exc:
                 death, rejection = "decoder_rejection", str(exc)
             else:
-                verdict = self._published(decoded, scratch / "tree", tree)
-                room = self.cache.footprint(
-                    {p: e for p, e in verdict.entries.items() if p not in KERNEL_OWNED}
-                ).room
-                if room <= physics.work_bytes:
-                    return verdict
-                death, rejection = (
-                    "decoder_rejection",
-                    f"the tree would take {room} bytes of /work once unpacked (every file in "
-                    "whole pages, a sparse file dense), more than the work_bytes limit "
-                    f"{physics.work_bytes}",
-                )
+                outcome = self._fitted(plan, decoded, scratch / "tree", before)
+                if isinstance(outcome, Verdict):
+                    return outcome
+                death, rejection = outcome
         # The stage's status for a tree it cannot unpack (an organism may choose it too).
         unpack_failed = death == "process_exit" and result.exit_status == 70
-        return Verdict(death, rejection, self._rolled_back(plan, unpack_failed), "", 0, 0)
+        rolled_back = self._rolled_back(plan, unpack_failed)
+        return Verdict(death, rejection, rolled_back, "", 0, 0, 0, before)
+
+    def _fitted(
+        self, plan: Plan, decoded: list[TreeEntry], root: Path, before: int
+    ) -> Verdict | tuple[Outcome, str]:
+        """The decoded tree's verdict, or the death it dies if it does not fit the physics.
+
+        The footprint budgets are checked before any of its objects is written, so a tree
+        over either adds nothing to the shared repository.
+        """
+        physics = plan.physics
+        added = growth.new_bytes(self.cache.repo, growth.tree_blobs(decoded, root))
+        if added > physics.generation_repo_bytes:
+            return "footprint_exceeded", (
+                f"the tree would add {added} bytes to the shared repository, more than "
+                f"the generation_repo_bytes budget {physics.generation_repo_bytes}"
+            )
+        if before + added > physics.lineage_repo_bytes:
+            return "footprint_exceeded", (
+                f"the tree would bring what the lineage added to the shared repository to "
+                f"{before + added} bytes, more than the lineage_repo_bytes budget "
+                f"{physics.lineage_repo_bytes}"
+            )
+        verdict = self._published(decoded, root, plan.tree)._replace(
+            repo_bytes=added, lineage_repo_bytes=before + added
+        )
+        room = self.cache.footprint(
+            {p: e for p, e in verdict.entries.items() if p not in KERNEL_OWNED}
+        ).room
+        if room <= physics.work_bytes:
+            return verdict
+        return "decoder_rejection", (
+            f"the tree would take {room} bytes of /work once unpacked (every file in "
+            "whole pages, a sparse file dense), more than the work_bytes limit "
+            f"{physics.work_bytes}"
+        )
 
     def _rolled_back(self, plan: Plan, unpack_failed: bool) -> dict[str, Entry]:
         """The tree a death leaves: organism.el one body back, nothing the dead life wrote,

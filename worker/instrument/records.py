@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from decimal import Decimal
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,10 +25,10 @@ Outcome = Literal[
     "wall_timeout",
     "cgroup_oom",
     "decoder_rejection",
+    "footprint_exceeded",
 ]
-DEATHS: frozenset[str] = frozenset(
-    {"process_exit", "signal", "wall_timeout", "cgroup_oom", "decoder_rejection"}
-)
+# Every outcome but a life's two ways of ending alive.
+DEATHS: frozenset[str] = frozenset(get_args(Outcome)) - {"changed", "no-change"}
 # How a model's answer ended, as the socket tells the organism (X-Ouroboros-Stop-Reason):
 # complete, cut at the output token limit, refused by the model, or stopped short for
 # any other reason (a reasoning model that spent every token before answering included).
@@ -183,6 +183,10 @@ class Observation(BaseModel):
     archive_bytes: int
     published_bytes: int
     published_files: int
+    # What the generation added to the shared repository as ``growth`` counts it, and
+    # the lineage's total after it; None in a record made before the count existed.
+    repo_bytes: int | None = None
+    lineage_repo_bytes: int | None = None
     provider: str
     model: str | None
     constraints: Physics
