@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # systemd brings systemd-analyze (unit checks; it starts no manager); shellcheck
-# checks the deployment scripts.
-packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd shellcheck python3 util-linux strace)
+# checks the deployment scripts; prometheus brings promtool (the alert rules' checks
+# and unit tests) and the server the metrics tests scrape with.
+packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd shellcheck python3 util-linux strace prometheus)
 if [ "${OUROBOROS_SETUP_BROWSER:-1}" = 1 ]; then
   packages+=(chromium)
 fi
