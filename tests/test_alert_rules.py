@@ -68,7 +68,8 @@ def test_a_broken_rule_is_refused(tmp_path: Path) -> None:
     """The check is no formality: promtool refuses a rule whose expression does not parse."""
     broken = tmp_path / "broken.yml"
     broken.write_text(
-        "groups:\n  - name: x\n    rules:\n      - alert: Broken\n        expr: ouroboros_broker_up ==\n"
+        "groups:\n  - name: x\n    rules:\n"
+        "      - alert: Broken\n        expr: ouroboros_broker_up ==\n"
     )
     checked = promtool("check", "rules", str(broken))
     assert checked.returncode != 0

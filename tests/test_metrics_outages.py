@@ -29,10 +29,14 @@ from support.prometheus import Silent
 # Full tier: `serve` and the CLI as processes, moto's server.
 pytestmark = pytest.mark.full
 
-# "Well under a second" on the 2-core machine, with room for other test runs sharing it.
-BUDGET_SECONDS = 1.0
+# The web process's own waits add up to at most 0.75 s (a quarter of a second for a
+# probe with no answer yet, half a second for a store read); alone on this machine
+# every answer comes in well under a second (bench/soak_metrics.py). The rest of the
+# budget is for the CPU the machine's other test runs take; a request that waited on
+# a hanging source instead would take that source's whole timeout, 5 s and more.
+BUDGET_SECONDS = 2.0
 PATHS = ["/metrics", "/", "/api/", "/lineages/alpha", "/api/lineages/alpha", "/metrics"]
-CONCURRENT = 24
+CONCURRENT = 12
 
 
 @pytest.fixture
@@ -134,3 +138,23 @@ def test_every_answer_is_bounded_with_broker_and_store_down(
     # One probe per interval, not one per request: far fewer connections than requests.
     requests = len(first) + len(again)
     assert connections < requests // 4, (connections, requests)
+
+
+def test_serve_never_starts_the_embedded_broker(tmp_path: Path) -> None:
+    """The embedded default after the demo: no broker runs, and serving does not start one."""
+    fleet = Fleet(tmp_path)
+    fleet.ok("init", "alpha", *SMALL_PHYSICS)
+    served = Served(fleet, tmp_path / "serve.log")
+    try:
+        # Over two probe intervals, so the broker is asked more than once.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            answers = assert_bounded(served)
+        scrape = samples(next(body for path, _, _, body in answers if path == "/metrics"))
+    finally:
+        served.stop()
+    assert scrape["ouroboros_broker_up"] == 0
+    assert scrape["ouroboros_store_up"] == 1  # the file store of the home answers
+    assert math.isnan(scrape["ouroboros_lineage_in_flight{lineage=alpha}"])
+    assert not (tmp_path / ".ouroboros" / "redis" / "redis.sock").exists()
+    assert not list((tmp_path / ".ouroboros").glob("redis/*.aof*"))

@@ -38,7 +38,7 @@ def workers_of(request: Request) -> Workers | None:
 def overview(request: Request) -> Overview:
     request.app.state.broker.refresh()  # asked alongside the workers, not after them
     workers = workers_of(request)
-    found = _blocks(request, workers)
+    found = _blocks(request)
     lineages = [
         summary.model_copy(update={"blocked": found.get(summary.name)})
         for summary in reader_of(request).summaries()
@@ -54,14 +54,12 @@ def overview(request: Request) -> Overview:
 def lineage_view(request: Request, name: str, page: int, per_page: int) -> LineageView:
     """The lineage's view, with what blocks it."""
     view = reader_of(request).lineage(name, page, per_page)
-    blocked = _blocks(request, workers_of(request)).get(name)
+    blocked = _blocks(request).get(name)
     return view.model_copy(update={"summary": view.summary.model_copy(update={"blocked": blocked})})
 
 
-def _blocks(request: Request, workers: Workers | None) -> dict[str, str]:
+def _blocks(request: Request) -> dict[str, str]:
     """What blocks each lineage, in words, from the broker's latest answer (none: unknown)."""
-    if workers is None or not workers.reachable:
-        return {}
     broker: Probe[BrokerFigures] = request.app.state.broker
     answer = broker.latest()
     return answer.value.blocks if answer is not None and answer.value is not None else {}
