@@ -28,24 +28,15 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 # The fleet and Prometheus harnesses live with the tests: one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import boto3
 import httpx
-from support.browse import Served
-from support.fleet import S3_REGION, SMALL_PHYSICS, Fleet, MotoServer, PrivateRedis
-from support.prometheus import Prometheus
+from support.prometheus import Prometheus, Watched
 
 PAGES = ["/", "/lineages/alpha", "/api/"]
 SCRAPE_LIMIT_SECONDS = 1.0
-# moto's server takes any credentials; these are only what boto3 insists on sending.
-CREDENTIALS = {
-    "aws_access_key_id": "ouroboros-soak-key-id",
-    "aws_secret_access_key": "ouroboros-soak-secret",
-}
 
 
 class Browsing:
@@ -99,37 +90,18 @@ def main() -> int:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="soak-metrics-") as tmp:
-        home = Path(tmp)
-        broker = PrivateRedis(home / "redis")
-        store = MotoServer(home / "moto.log")
-        served = prometheus = browsing = None
+        watched = Watched(Path(tmp), args.generations, args.interval)
+        browsing = None
         try:
-            bucket = f"soak-{uuid.uuid4().hex[:12]}"
-            boto3.client(
-                "s3", endpoint_url=store.url, region_name=S3_REGION, **CREDENTIALS
-            ).create_bucket(Bucket=bucket)
-            fleet = Fleet(
-                home,
-                OUROBOROS_BROKER_URL=broker.url,
-                OUROBOROS_OBSERVATIONS=f"s3://{bucket}/fleet",
-                OUROBOROS_S3_ENDPOINT_URL=store.url,
-                OUROBOROS_S3_REGION=S3_REGION,
-                **{name.upper(): value for name, value in CREDENTIALS.items()},
-            )
-            fleet.ok("init", "alpha", *SMALL_PHYSICS)
-            fleet.ok("run", "alpha", "--generations", str(args.generations), "--local")
-            served = Served(fleet, home / "serve.log")
-            (home / "prometheus").mkdir()
-            prometheus = Prometheus(
-                home / "prometheus", f"127.0.0.1:{served.port}", interval=args.interval
-            )
+            prometheus, served = watched.prometheus, watched.served
+            assert prometheus is not None and served is not None
             prometheus.wait("ouroboros_broker_up == 1 and on() ouroboros_store_up == 1")
             browsing = Browsing(served.url)
             phases: list[tuple[str, dict[str, float]]] = []
             for name, act in (
                 ("all up", None),
-                ("broker stopped", broker.kill),
-                ("broker and store stopped", store.stop),
+                ("broker stopped", watched.broker.kill),
+                ("broker and store stopped", watched.store.stop),
             ):
                 if act is not None:
                     act()
@@ -138,17 +110,11 @@ def main() -> int:
                 figures["slowest page s"], browsing.slowest = browsing.slowest[0], (0.0, "")
                 phases.append((name, figures))
                 print(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()))
-            browsing.stop()
             health = prometheus.target_health()
         finally:
             if browsing is not None:
                 browsing.stop()
-            if prometheus is not None:
-                prometheus.stop()
-            if served is not None:
-                served.stop()
-            store.stop()
-            broker.stop()
+            watched.stop()
 
     print(f"pages asked: {browsing.asked}")
     print(f"target health at the end: {health}")

@@ -101,7 +101,8 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
     follower = Follower(fleet, "run", "ok", "--generations", "1", "--follow")
     try:
         follower.said(f"ok: waiting: no live worker serves queue {queue}", SAY_WITHIN_SECONDS)
-        [wait] = served.get("/api/").json()["waiting"]
+        # The web process asks the workers in the background: its first answer may follow.
+        [wait] = wait_for(lambda: served.get("/api/").json()["waiting"], 30, "the overview")
         assert (wait["queue"], wait["lineages"], wait["elsewhere"]) == (
             queue,
             ["ok", "patient"],

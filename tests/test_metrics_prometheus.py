@@ -12,15 +12,11 @@ with the observations in the store.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from pathlib import Path
 
-import boto3
 import pytest
-from support.browse import Served
-from support.fleet import S3_REGION, SMALL_PHYSICS, Fleet, MotoServer, PrivateRedis
-from support.prometheus import Prometheus
+from support.prometheus import Watched
 
 from worker.instrument.records import Observation
 
@@ -37,35 +33,16 @@ UNKNOWN = "{0} != {0}"
 @pytest.mark.root
 @pytest.mark.timeout(600)
 def test_prometheus_sees_the_fleet_through_outages(tmp_path: Path) -> None:
-    broker = PrivateRedis(tmp_path / "redis")
-    store = MotoServer(tmp_path / "moto.log")
-    served = prometheus = None
+    watched = Watched(tmp_path, generations=3, interval=1.0)
     try:
-        bucket = f"prom-{uuid.uuid4().hex[:12]}"
-        s3 = boto3.client("s3", endpoint_url=store.url, region_name=S3_REGION)
-        s3.create_bucket(Bucket=bucket)
-        fleet = Fleet(
-            tmp_path,
-            OUROBOROS_BROKER_URL=broker.url,
-            OUROBOROS_OBSERVATIONS=f"s3://{bucket}/fleet",
-            OUROBOROS_S3_ENDPOINT_URL=store.url,
-            OUROBOROS_S3_REGION=S3_REGION,
-            AWS_ACCESS_KEY_ID="ouroboros-test-key-id",
-            AWS_SECRET_ACCESS_KEY="ouroboros-test-secret",
-        )
-        fleet.ok("init", "alpha", *SMALL_PHYSICS)
-        fleet.ok("run", "alpha", "--generations", "3", "--local")
+        prometheus, s3 = watched.prometheus, watched.s3
+        assert prometheus is not None
         observed = Counter[str]()
-        listed = s3.list_objects_v2(Bucket=bucket, Prefix="fleet/lineages/alpha/generations/")
-        for item in listed["Contents"]:
-            body = s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()
+        prefix = "fleet/lineages/alpha/generations/"
+        for item in s3.list_objects_v2(Bucket=watched.bucket, Prefix=prefix)["Contents"]:
+            body = s3.get_object(Bucket=watched.bucket, Key=item["Key"])["Body"].read()
             observed[Observation.model_validate_json(body).outcome] += 1
         assert sum(observed.values()) == 3
-
-        served = Served(fleet, tmp_path / "serve.log")
-        directory = tmp_path / "prometheus"
-        directory.mkdir()
-        prometheus = Prometheus(directory, f"127.0.0.1:{served.port}", interval=1.0)
 
         # Everything up: PromQL over the run's generations matches the observations.
         prometheus.wait("ouroboros_broker_up == 1 and on() ouroboros_store_up == 1")
@@ -79,15 +56,15 @@ def test_prometheus_sees_the_fleet_through_outages(tmp_path: Path) -> None:
         assert prometheus.scalar('ouroboros_lineage_generation{lineage="alpha"}') == 3
 
         # The broker stops: still a successful scrape, which says so; then it comes back.
-        broker.kill()
+        watched.broker.kill()
         prometheus.wait("ouroboros_broker_up == 0")
         assert prometheus.scalar("up") == 1
         prometheus.wait(f"count({UNKNOWN.format('ouroboros_lineage_in_flight')}) == 1")
-        broker.start()
+        watched.broker.start()
         prometheus.wait("ouroboros_broker_up == 1")
 
         # The store stops: the target stays up, the store gauge reads 0, its figures NaN.
-        store.stop()
+        watched.store.stop()
         prometheus.wait("ouroboros_store_up == 0")
         prometheus.wait(f"count({UNKNOWN.format('ouroboros_generations_total')}) == 7")
         assert prometheus.scalar("up") == 1
@@ -101,9 +78,4 @@ def test_prometheus_sees_the_fleet_through_outages(tmp_path: Path) -> None:
         slowest = prometheus.scalar("max_over_time(scrape_duration_seconds[10m])")
         assert slowest < SCRAPE_BUDGET_SECONDS, slowest
     finally:
-        if prometheus is not None:
-            prometheus.stop()
-        if served is not None:
-            served.stop()
-        store.stop()
-        broker.stop()
+        watched.stop()

@@ -56,6 +56,10 @@ def create_app(
         # Read every lineage's history once at start, in the background, so that the
         # first visitor does not pay for it; later heads are read incrementally.
         threading.Thread(target=_warm, args=(reader,), name="warm-reader", daemon=True).start()
+        # And ask the broker and the live workers now, so that the first visitor finds
+        # their answers (a request waits for a probe only briefly).
+        workers_probe.refresh()
+        app.state.broker.refresh()
         yield
 
     app = FastAPI(

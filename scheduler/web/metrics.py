@@ -216,7 +216,8 @@ class FleetCollector(Collector):
         )
         yield from self._lineage_metrics(lineages, figures)
         yield from self._histograms(figures)
-        with self.tally_lock:
+        with self.tally_lock:  # the store probe adds to it meanwhile
+            yield from self._tally_metrics()
             yield from self._provider_metrics()
         yield from self._worker_metrics(lineages, figures, known(workers))
         yield from self._broker_metrics(lineages, broker.value if broker is not None else None)
@@ -419,6 +420,8 @@ class FleetCollector(Collector):
         yield memory.family(
             "ouroboros_generation_memory_peak_bytes", "Peak memory of each observed life."
         )
+
+    def _tally_metrics(self) -> Iterable[Metric]:
         yield self.tally.duration.family(
             "ouroboros_generation_duration_seconds",
             "Each observed generation from its enqueue to the end of its life.",

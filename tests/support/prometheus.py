@@ -1,10 +1,12 @@
-"""A real Prometheus server for tests and benches, and a listener that never answers.
+"""A real Prometheus server for tests and benches, a fleet it watches, and a silent listener.
 
 ``Prometheus`` runs Debian's ``prometheus`` (installed by scripts/setup.sh) on a free
 loopback port with a private data directory, scraping one target at a short
-interval, and asks it through its HTTP API. ``Silent`` is the hanging dependency:
-it accepts every connection and never sends a byte, as a broker or a store that is
-wedged does.
+interval, and asks it through its HTTP API. ``Watched`` is a fleet home whose
+broker (a private redis-server) and store (moto's S3 server) are its own to stop,
+with one lineage run for real, served, and scraped by such a Prometheus. ``Silent``
+is the hanging dependency: it accepts every connection and never sends a byte, as a
+broker or a store that is wedged does.
 """
 
 from __future__ import annotations
@@ -18,11 +20,30 @@ import subprocess
 import threading
 import urllib.parse
 import urllib.request
+import uuid
 from pathlib import Path
 
-from support.fleet import free_port, http_answers, terminate, wait_for
+import boto3
+
+from support.browse import Served
+from support.fleet import (
+    S3_REGION,
+    SMALL_PHYSICS,
+    Fleet,
+    MotoServer,
+    PrivateRedis,
+    free_port,
+    http_answers,
+    terminate,
+    wait_for,
+)
 
 START_SECONDS = 60
+# moto's server takes any credentials; these are only what boto3 insists on sending.
+CREDENTIALS = {
+    "aws_access_key_id": "ouroboros-test-key-id",
+    "aws_secret_access_key": "ouroboros-test-secret",
+}
 
 
 class Prometheus:
@@ -103,6 +124,51 @@ class Prometheus:
 
     def stop(self) -> None:
         terminate(self.process)
+
+
+class Watched:
+    """Lineage ``alpha`` run for ``generations`` real lives, served and scraped.
+
+    ``broker`` and ``store`` are this home's own: stop them to make an outage.
+    """
+
+    def __init__(self, home: Path, generations: int, interval: float) -> None:
+        self.broker = PrivateRedis(home / "redis")
+        self.store = MotoServer(home / "moto.log")
+        self.served: Served | None = None
+        self.prometheus: Prometheus | None = None
+        try:
+            self.bucket = f"watched-{uuid.uuid4().hex[:12]}"
+            self.s3 = boto3.client(
+                "s3", endpoint_url=self.store.url, region_name=S3_REGION, **CREDENTIALS
+            )
+            self.s3.create_bucket(Bucket=self.bucket)
+            fleet = Fleet(
+                home,
+                OUROBOROS_BROKER_URL=self.broker.url,
+                OUROBOROS_OBSERVATIONS=f"s3://{self.bucket}/fleet",
+                OUROBOROS_S3_ENDPOINT_URL=self.store.url,
+                OUROBOROS_S3_REGION=S3_REGION,
+                **{name.upper(): value for name, value in CREDENTIALS.items()},
+            )
+            fleet.ok("init", "alpha", *SMALL_PHYSICS)
+            fleet.ok("run", "alpha", "--generations", str(generations), "--local")
+            self.served = Served(fleet, home / "serve.log")
+            (home / "prometheus").mkdir()
+            self.prometheus = Prometheus(
+                home / "prometheus", f"127.0.0.1:{self.served.port}", interval=interval
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        if self.served is not None:
+            self.served.stop()
+        self.store.stop()
+        self.broker.stop()
 
 
 class Silent:
