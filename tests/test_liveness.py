@@ -123,7 +123,9 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
         assert [w.split("@")[0] for w in row["other_instrument_workers"]] == ["stranger"]
         assert "waiting for its instrument" in fleet.ok("status", "ok", COLUMNS="400").stdout
         elsewhere = wait_for(
-            lambda: served.get("/api/").json()["waiting"][0]["elsewhere"], 30, "the overview"
+            lambda: (waits := served.get("/api/").json()["waiting"]) and waits[0]["elsewhere"],
+            30,
+            "the overview",
         )
         assert elsewhere[0]["hostname"].startswith("stranger@")
         assert "Live workers serve other instruments instead" in served.get("/").text

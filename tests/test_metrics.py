@@ -132,11 +132,13 @@ def test_metrics_follow_a_running_fleet(
                 "the worker reported as serving its queue",
             )
         # The last generation's job is settled once its marker is gone (and the store's
-        # figures, asked apart from the broker's, include its observation).
+        # figures, asked apart from the broker's, include its observation and the run's
+        # end, which one probe may read a moment apart).
         final = wait_for(
             lambda: (
                 (s := settled(served))["ouroboros_lineages_in_flight", frozenset()] == 0
                 and total(s, "ouroboros_generations_total") == 6
+                and total(s, "ouroboros_lineage_run_remaining_generations") == 0
                 and s
             ),
             60,

@@ -60,8 +60,9 @@ class Probe(Generic[T]):
         self.ask = ask
         self.interval = interval
         self.budget = budget
-        # A slow but answering source keeps its last answer while the next is asked.
-        self.max_age = max_age if max_age is not None else 3 * interval
+        # A slow but answering source keeps its last answer while the next is asked (the
+        # workers' broadcast alone takes a second, more on a busy host).
+        self.max_age = max_age if max_age is not None else 5 * interval
         self.asked = 0  # how many times the source was asked (one per interval at most)
         self._lock = threading.Lock()
         self._answer: Answer[T] | None = None
