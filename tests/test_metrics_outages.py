@@ -135,9 +135,11 @@ def test_every_answer_is_bounded_with_broker_and_store_down(
         "ouroboros_generation_wall_seconds_count",
     ):
         assert math.isnan(scrape[unknown]), unknown
-    # One probe per interval, not one per request: far fewer connections than requests.
+    # One probe per interval, not one per request: asked per request, each of them would
+    # have connected to both; here a handful of probes and of store reads (the guard's
+    # pool bounds how many hang at once) did.
     requests = len(first) + len(again)
-    assert connections < requests // 4, (connections, requests)
+    assert connections <= requests // 2, (connections, requests)
 
 
 def test_serve_never_starts_the_embedded_broker(tmp_path: Path) -> None:
