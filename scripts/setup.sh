@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # systemd brings systemd-analyze (unit checks; it starts no manager); shellcheck
-# checks the deployment scripts.
-# libseccomp2 compiles each life's syscall filter (through pyseccomp, in the venv).
-packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd shellcheck python3 util-linux strace libseccomp2)
+# checks the deployment scripts; libseccomp2 compiles each life's syscall filter
+# (through pyseccomp, in the venv); prometheus brings promtool (the alert rules' checks
+# and unit tests) and the server the metrics tests scrape with.
+packages=(bubblewrap emacs-nox git curl redis-server tar ca-certificates systemd shellcheck python3 util-linux strace libseccomp2 prometheus)
 if [ "${OUROBOROS_SETUP_BROWSER:-1}" = 1 ]; then
   packages+=(chromium)
 fi

@@ -60,6 +60,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     server = serve_sample_and_hostile(
         tmp_path_factory.mktemp("browse-browser"), ("offshoot", "sample@2")
     )
+    server.wait_for_workers()
     yield server
     server.stop()
 

@@ -400,15 +400,28 @@ def test_status_and_the_web_ui_show_why_a_lineage_is_blocked_and_when_it_is_retr
 
     served = Served(fleet, tmp_path / "serve.log")
     try:
-        summary = {x["name"]: x for x in served.get("/api/").json()["lineages"]}["shown"]
-        assert summary["blocked"] == row["blocked"]
+        # The web process reads the broker in the background: its first answer may
+        # come a moment after the first request.
+        wait_for(
+            lambda: (
+                {x["name"]: x for x in served.get("/api/").json()["lineages"]}["shown"]["blocked"]
+                == row["blocked"]
+            ),
+            10,
+            "the overview showing the block",
+        )
         assert served.get("/api/lineages/shown").json()["summary"]["blocked"] == row["blocked"]
         for page in (served.get("/").text, served.get("/lineages/shown").text):
             assert "HTTP 503 &lt;b&gt;down&lt;/b&gt;; retried at " + retried in page
         assert 'ouroboros_lineage_blocked{lineage="shown"} 1.0' in served.get("/metrics").text
-        # Its retry time come, it is being tried again: no longer counted as blocked.
+        # Its retry time come, it is being tried again: no longer counted as blocked (from
+        # the broker's next probe on).
         block_markers.block(client, "shown", record.model_copy(update={"retry_at": since}))
-        assert 'ouroboros_lineage_blocked{lineage="shown"} 0.0' in served.get("/metrics").text
+        wait_for(
+            lambda: 'ouroboros_lineage_blocked{lineage="shown"} 0.0' in served.get("/metrics").text,
+            10,
+            "the retried lineage no longer counted as blocked",
+        )
     finally:
         served.stop()
 

@@ -101,7 +101,8 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
     follower = Follower(fleet, "run", "ok", "--generations", "1", "--follow")
     try:
         follower.said(f"ok: waiting: no live worker serves queue {queue}", SAY_WITHIN_SECONDS)
-        [wait] = served.get("/api/").json()["waiting"]
+        # The web process asks the workers in the background: its first answer may follow.
+        [wait] = wait_for(lambda: served.get("/api/").json()["waiting"], 30, "the overview")
         assert (wait["queue"], wait["lineages"], wait["elsewhere"]) == (
             queue,
             ["ok", "patient"],
@@ -122,7 +123,9 @@ def test_the_new_user_path_says_what_it_waits_for_and_then_lands(
         assert [w.split("@")[0] for w in row["other_instrument_workers"]] == ["stranger"]
         assert "waiting for its instrument" in fleet.ok("status", "ok", COLUMNS="400").stdout
         elsewhere = wait_for(
-            lambda: served.get("/api/").json()["waiting"][0]["elsewhere"], 30, "the overview"
+            lambda: (waits := served.get("/api/").json()["waiting"]) and waits[0]["elsewhere"],
+            30,
+            "the overview",
         )
         assert elsewhere[0]["hostname"].startswith("stranger@")
         assert "Live workers serve other instruments instead" in served.get("/").text

@@ -8,6 +8,7 @@ durable records, and every label against the bounded vocabulary.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +37,23 @@ def scrape(served: Served) -> Samples:
         for sample in family.samples:
             samples[sample.name, frozenset(sample.labels.items())] = sample.value
     return samples
+
+
+def settled(served: Served) -> Samples:
+    """A scrape in which every source had answered: no figure is unknown (NaN).
+
+    The web process asks the store, the broker and the live workers in the
+    background; a scrape right after it started may precede their first answers.
+    """
+    found: list[Samples] = []
+
+    def complete() -> bool:
+        samples = scrape(served)
+        found[:] = [samples]
+        return not any(math.isnan(v) for v in samples.values())
+
+    wait_for(complete, 30, "a scrape with every source answered")
+    return found[0]
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -71,6 +89,8 @@ def test_metrics_follow_a_running_fleet(
         OUROBOROS_S3_REGION=S3_REGION,
         AWS_ACCESS_KEY_ID="ouroboros-test-key-id",
         AWS_SECRET_ACCESS_KEY="ouroboros-test-secret",
+        # Asked often enough to catch a short life's lease between two probes.
+        OUROBOROS_WEB_PROBE_SECONDS="0.3",
     )
     names = ["alpha", "beta"]
     for name in names:
@@ -79,7 +99,7 @@ def test_metrics_follow_a_running_fleet(
     worker = None
     try:
         fleet.ok("run", *names, "--generations", "3", "--budget-usd", "5")
-        queued = scrape(served)
+        queued = settled(served)
         [queue] = {q for q in label_values(queued, "queue") if q.startswith("gen.")}
         assert value(queued, "ouroboros_broker_up") == 1
         assert value(queued, "ouroboros_queue_depth", queue=queue) == 2
@@ -101,7 +121,7 @@ def test_metrics_follow_a_running_fleet(
             seen_served |= value(during, "ouroboros_live_workers", queue=queue) == 1
             if total(during, "ouroboros_generations_total") == 6:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         assert seen_running
         if not seen_served:
             # Generations this short can all land between two broadcasts the worker
@@ -111,9 +131,16 @@ def test_metrics_follow_a_running_fleet(
                 120,
                 "the worker reported as serving its queue",
             )
-        # The last generation's job is settled once its marker is gone.
+        # The last generation's job is settled once its marker is gone (and the store's
+        # figures, asked apart from the broker's, include its observation and the run's
+        # end, which one probe may read a moment apart).
         final = wait_for(
-            lambda: (s := scrape(served))["ouroboros_lineages_in_flight", frozenset()] == 0 and s,
+            lambda: (
+                (s := settled(served))["ouroboros_lineages_in_flight", frozenset()] == 0
+                and total(s, "ouroboros_generations_total") == 6
+                and total(s, "ouroboros_lineage_run_remaining_generations") == 0
+                and s
+            ),
             60,
             "no lineage in flight",
         )

@@ -336,6 +336,8 @@ def test_the_web_ui_shows_the_mark_beside_the_outcome_and_metrics_count_it(
         lineage = served.get("/lineages/down").text
         generation = served.get("/lineages/down/generations/1").text
         api = served.get("/api/lineages/down").json()
+        # The store's figures come from a background probe: wait for its first answer.
+        wait_for(lambda: "ouroboros_store_up 1.0" in served.get("/metrics").text)
         metrics = served.get("/metrics").text
     finally:
         served.stop()

@@ -1,7 +1,11 @@
 """The web application: FastAPI app factory, error mapping and response headers.
 
 Owns assembling the browsing app from a ``Reader``, a live-workers provider and
-the settings (for ``/metrics``, ``scheduler.web.metrics``, and for advice),
+the settings (for ``/metrics``, ``scheduler.web.metrics``, and for advice), the
+bounds on everything it does not control (the reader's store wrapped in a
+``GuardedStore``; the broker and the live workers read through ``Probe``s, in the
+background, so no request waits on them for long and the web process never starts
+the embedded broker),
 the mapping of "no such lineage or generation" (including malformed names and
 numbers) to 404 and of an unreachable store to 503, JSON answers with C1 and bidi
 controls escaped (``legible``), and the headers every response carries: a
@@ -26,8 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from scheduler.legible import escape_for_json
 from scheduler.reader import NotFound, Reader
 from scheduler.web import api, metrics, pages
+from scheduler.web.broker import BrokerReader
+from scheduler.web.probes import INTERVAL_SECONDS, Probe
 from scheduler.web.render import templates
-from scheduler.web.workers import WorkersProvider, live_workers, remembered
+from scheduler.web.store_guard import GuardedStore
+from scheduler.web.workers import WorkersProvider, live_workers, probed
 from worker.fleet.settings import Settings
 from worker.instrument.fingerprint import package_version
 from worker.instrument.store import StoreUnavailable
@@ -59,6 +66,10 @@ def create_app(
         # Read every lineage's history once at start, in the background, so that the
         # first visitor does not pay for it; later heads are read incrementally.
         threading.Thread(target=_warm, args=(reader,), name="warm-reader", daemon=True).start()
+        # And ask the broker and the live workers now, so that the first visitor finds
+        # their answers (a request waits for a probe only briefly).
+        workers_probe.refresh()
+        app.state.broker.refresh()
         yield
 
     app = FastAPI(
@@ -71,11 +82,16 @@ def create_app(
         openapi_url="/openapi.json",
         default_response_class=InertJSONResponse,
     )
+    interval = settings.web_probe_seconds if settings is not None else INTERVAL_SECONDS
+    if not isinstance(reader.store, GuardedStore):
+        reader.store = GuardedStore(reader.store, down_seconds=interval)
     app.state.reader = reader
-    app.state.workers = workers or remembered(live_workers)
+    workers_probe = Probe("workers", workers or live_workers, interval=interval)
+    app.state.workers = probed(workers_probe)
     # For advice (the command that starts a worker) and the broker's metrics; may be None.
     app.state.settings = settings
-    app.state.metrics = metrics.registry_for(reader, app.state.workers, settings)
+    app.state.broker = Probe("broker", BrokerReader(settings, reader).read, interval=interval)
+    app.state.metrics = metrics.registry_for(reader, workers_probe, app.state.broker, interval)
     app.include_router(api.router)
     app.include_router(metrics.router)
     app.include_router(pages.router)

@@ -2,7 +2,7 @@
 
 Owns reaching the app's reader, settings and live-workers provider from a request,
 the assembly of the overview (lineages from the reader, workers from the provider,
-what blocks each lineage from the broker's markers when the broker answered, and
+what blocks each lineage from the broker probe's latest answer when there is one, and
 the queues running lineages wait on with no live worker), the lineage view with its
 block, and the validation of URL parts the reader does not check itself.
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-import redis
 from fastapi import Request
 
 from scheduler.liveness import Workers, start_hint
 from scheduler.reader import NotFound, Reader
 from scheduler.views import LineageSummary, LineageView, Overview, QueueWait
-from worker.fleet import block_markers, redis_keys
+from scheduler.web.broker import BrokerFigures
+from scheduler.web.probes import Probe
 from worker.fleet.settings import Settings
 from worker.instrument.names import queue_name
 
@@ -36,8 +36,9 @@ def workers_of(request: Request) -> Workers | None:
 
 
 def overview(request: Request) -> Overview:
+    request.app.state.broker.refresh()  # asked alongside the workers, not after them
     workers = workers_of(request)
-    found = _blocks(request, workers)
+    found = _blocks(request)
     lineages = [
         summary.model_copy(update={"blocked": found.get(summary.name)})
         for summary in reader_of(request).summaries()
@@ -53,20 +54,15 @@ def overview(request: Request) -> Overview:
 def lineage_view(request: Request, name: str, page: int, per_page: int) -> LineageView:
     """The lineage's view, with what blocks it."""
     view = reader_of(request).lineage(name, page, per_page)
-    blocked = _blocks(request, workers_of(request)).get(name)
+    blocked = _blocks(request).get(name)
     return view.model_copy(update={"summary": view.summary.model_copy(update={"blocked": blocked})})
 
 
-def _blocks(request: Request, workers: Workers | None) -> dict[str, str]:
-    """What blocks each lineage, in words; asked only of a broker that just answered."""
-    settings: Settings | None = request.app.state.settings
-    if settings is None or workers is None or not workers.reachable:
-        return {}
-    try:
-        found = block_markers.blocks(redis_keys.redis_client(settings))
-    except (redis.RedisError, OSError):
-        return {}  # browsing never fails on the broker
-    return {name: record.describe() for name, record in found.items()}
+def _blocks(request: Request) -> dict[str, str]:
+    """What blocks each lineage, in words, from the broker's latest answer (none: unknown)."""
+    broker: Probe[BrokerFigures] = request.app.state.broker
+    answer = broker.latest()
+    return answer.value.blocks if answer is not None and answer.value is not None else {}
 
 
 def _broker(workers: Workers | None) -> Literal["no broker", "inspected", "unreachable"]:

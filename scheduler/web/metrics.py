@@ -1,24 +1,41 @@
-"""``/metrics``: the fleet in Prometheus text format, gathered at scrape time.
+"""``/metrics``: the fleet in Prometheus text format, from its sources' latest answers.
 
-Owns the metric names, their help and labels, and gathering them when scraped
-(prometheus_client's custom-collector pattern: nothing is kept between scrapes but
-the tally of observations already read). Every source is read-only:
+Owns the metric names, their help and labels, and rendering them when scraped
+(prometheus_client's custom-collector pattern). A scrape never waits on the store
+or the broker: each is read by a ``scheduler.web.probes.Probe`` in the background,
+at most once per probe interval (``OUROBOROS_WEB_PROBE_SECONDS``, 2 s), and the
+scrape renders the latest answers, waiting at most ``BUDGET_SECONDS`` in all, and
+only for a source with no recent answer. Every source is read-only:
 
-- the reader (shared repository, observation store): per-lineage summaries and
-  index figures: generations by outcome, those marked "model unavailable" (every
-  model call failed at the provider; a counter beside the outcome, which the mark
-  does not change), deaths, spend, the run's budget and
-  progress, observation backlog, model calls, and the wall, CPU and peak-memory
-  histograms, exact at every scrape;
+- the shared repository, read at each scrape (local git, and the one source
+  without which there is nothing to show): which fleet lineages exist, their
+  instrument queues and latest generation;
+- the observation store (probed): per-lineage summaries and index figures:
+  generations by outcome, those marked "model unavailable" (every model call
+  failed at the provider; a counter beside the outcome, which the mark does not
+  change), deaths, spend, the run's budget and progress, observation backlog,
+  model calls, and the wall, CPU and peak-memory histograms;
 - observation objects, each read once (they are write-once) into a running tally:
   model calls, tokens and cost by provider, and the histograms of a generation's
   whole duration (from enqueue to the life's end) and of its queue wait. At most
-  ``OBSERVATIONS_PER_SCRAPE`` new ones are read per scrape, so a web process that
-  starts over a long history catches up over a few scrapes instead of stalling one;
-  until it has, these counters rise faster than the fleet works;
-- the broker's Redis: in-flight, running and blocked lineages, queue depth;
-- the live-workers provider (Celery's control broadcast, remembered a few
-  seconds): live workers per queue, lineages waiting for one.
+  ``OBSERVATIONS_PER_PASS`` new ones are read per store probe, so a web process that
+  starts over a long history catches up over a few probes; until it has, these
+  counters rise faster than the fleet works;
+- the broker's Redis (probed, ``scheduler.web.broker``): in-flight, running and
+  blocked lineages, queue depth;
+- the live workers (Celery's control broadcast, probed): live workers per queue,
+  lineages waiting for one.
+
+A source that did not answer its latest probe reads 0 in ``ouroboros_store_up`` or
+``ouroboros_broker_up``, and every figure it gives is NaN (``UNKNOWN``): the
+scrape itself still succeeds, so the target stays up and says what is down. NaN,
+not zero: a zero would read as a fact (no workers, a counter reset that
+``increase()`` would turn into a jump), and NaN compares false, so no threshold
+alert fires on a figure nobody could read. NaN, not a missing series: the series
+keep their identity through an outage instead of going stale and coming back, and
+an absent series is indistinguishable from a renamed or removed one. The tally's
+counters (by provider, durations, queue waits) only say what was read so far, so
+they stay as they are.
 
 Labels are bounded and never organism-made: ``lineage`` (names the operator chose,
 matching the lineage name pattern; fleet lineages only), ``outcome`` (the
@@ -33,16 +50,16 @@ Trusts: the reader, the settings' broker and the workers provider it is given.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from decimal import Decimal
-from typing import get_args
+from typing import Any, get_args
 
-import redis
-from celery import Celery
 from fastapi import APIRouter, Request, Response
-from kombu.exceptions import ChannelError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -56,15 +73,16 @@ from prometheus_client.registry import Collector
 from scheduler.liveness import Workers
 from scheduler.reader import Reader
 from scheduler.views import LineageSummary
-from scheduler.web.workers import WorkersProvider
-from worker.fleet import block_markers, embedded_redis, leases, markers, redis_keys
-from worker.fleet.app import CONTROL_QUEUE, client_app
-from worker.fleet.settings import Settings
+from scheduler.web.broker import BrokerFigures, fleet_queues
+from scheduler.web.probes import BUDGET_SECONDS, Probe
+from scheduler.web.workers import known
+from worker.fleet.app import CONTROL_QUEUE
 from worker.instrument.model.catalogue import PROVIDER_NAMES
-from worker.instrument.names import queue_name
 from worker.instrument.records import DEATHS, IndexEntry, Observation, Outcome
 
-OBSERVATIONS_PER_SCRAPE = 500
+OBSERVATIONS_PER_PASS = 500
+# What a figure reads when its source did not answer.
+UNKNOWN = math.nan
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
 MIB = 2**20
 WALL_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -83,11 +101,11 @@ def metrics(request: Request) -> Response:
 
 
 def registry_for(
-    reader: Reader, workers: WorkersProvider, settings: Settings | None
+    reader: Reader, workers: Probe[Workers | None], broker: Probe[BrokerFigures], interval: float
 ) -> CollectorRegistry:
     """A registry holding the fleet's collector and this web process's own figures."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(reader, workers, settings))
+    registry.register(FleetCollector(reader, workers, broker, interval))
     ProcessCollector(registry=registry)
     return registry
 
@@ -103,6 +121,11 @@ class Buckets:
     def add(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def unknown(self) -> None:
+        """Make every count and the sum unknown (their source did not answer)."""
+        self.counts = [UNKNOWN] * len(self.counts)  # type: ignore[list-item]
+        self.sum = UNKNOWN
 
     def family(self, name: str, documentation: str) -> HistogramMetricFamily:
         cumulative, buckets = 0, []
@@ -143,32 +166,86 @@ def _per_lineage(
     return kind(name, documentation, labels=["lineage"])
 
 
-class FleetCollector(Collector):
-    """Gathers the fleet's metrics from the reader, the broker and the live workers."""
+@dataclass(frozen=True)
+class StoreFigures:
+    """One pass over the store: each fleet lineage's summary and indexed figures."""
 
-    def __init__(self, reader: Reader, workers: WorkersProvider, settings: Settings | None) -> None:
+    lineages: dict[str, LineageSummary]
+    indexed: dict[str, list[IndexEntry]]
+
+
+@dataclass(frozen=True)
+class GitLineage:
+    """A fleet lineage as the shared repository alone knows it."""
+
+    name: str
+    queue: str
+    generation: int
+
+
+class FleetCollector(Collector):
+    """Renders the fleet's metrics from the latest answers of the store, broker and workers."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        workers: Probe[Workers | None],
+        broker: Probe[BrokerFigures],
+        interval: float,
+    ) -> None:
         self.reader = reader
         self.workers = workers
-        self.settings = settings
+        self.broker = broker
         self.tally = Tally()
-        self.lock = threading.Lock()
-        self._app: Celery | None = None
+        self.tally_lock = threading.Lock()
+        self.store = Probe("store", self._read_store, interval=interval)
 
     def collect(self) -> Iterator[Metric]:
-        with self.lock:
-            lineages = [s for s in self.reader.summaries() if s.kind == "fleet"]
-            indexed = {s.name: self.reader.indexed(s.name) for s in lineages}
-            self._read_observations(indexed)
-            workers = self.workers()
-            yield from self._lineage_metrics(lineages, indexed)
-            yield from self._histograms(indexed)
+        probes: tuple[Probe[Any], ...] = (self.store, self.broker, self.workers)
+        for probe in probes:
+            probe.refresh()
+        # One shared deadline: a scrape waits for no answer longer than the budget.
+        until = time.monotonic() + BUDGET_SECONDS
+        store, broker, workers = (probe.latest(until) for probe in probes)
+        lineages = self._git_lineages()
+        figures = store.value if store is not None else None
+        yield GaugeMetricFamily(
+            "ouroboros_store_up",
+            "1 if the observation store answered its latest probe (every few seconds).",
+            value=int(figures is not None),
+        )
+        yield from self._lineage_metrics(lineages, figures)
+        yield from self._histograms(figures)
+        with self.tally_lock:  # the store probe adds to it meanwhile
+            yield from self._tally_metrics()
             yield from self._provider_metrics()
-            yield from self._broker_metrics(lineages, workers)
+        yield from self._worker_metrics(lineages, figures, known(workers))
+        yield from self._broker_metrics(lineages, broker.value if broker is not None else None)
+
+    def _git_lineages(self) -> list[GitLineage]:
+        """Every fleet lineage, from the shared repository alone (no store, no broker)."""
+        heads = self.reader.heads()
+        return [
+            GitLineage(
+                name,
+                queue,
+                max(self.reader.history(name, heads).by_generation, default=0),
+            )
+            for name, queue in sorted(fleet_queues(self.reader).items())
+            if name in heads
+        ]
+
+    def _read_store(self) -> StoreFigures:
+        """The probe's pass over the store; also reads new observations into the tally."""
+        lineages = {s.name: s for s in self.reader.summaries() if s.kind == "fleet"}
+        indexed = {name: self.reader.indexed(name) for name in lineages}
+        self._read_observations(indexed)
+        return StoreFigures(lineages, indexed)
 
     # -- the store ------------------------------------------------------------
 
     def _read_observations(self, indexed: dict[str, list[IndexEntry]]) -> None:
-        budget = OBSERVATIONS_PER_SCRAPE
+        budget = OBSERVATIONS_PER_PASS
         for name, entries in indexed.items():
             for entry in entries:
                 if budget == 0:
@@ -177,12 +254,13 @@ class FleetCollector(Collector):
                     continue
                 budget -= 1
                 observation = self.reader.observation(name, entry.generation)
-                self.tally.seen.add((name, entry.generation))
-                if observation is not None:
-                    self.tally.add(observation)
+                with self.tally_lock:
+                    self.tally.seen.add((name, entry.generation))
+                    if observation is not None:
+                        self.tally.add(observation)
 
     def _lineage_metrics(
-        self, lineages: list[LineageSummary], indexed: dict[str, list[IndexEntry]]
+        self, lineages: list[GitLineage], store: StoreFigures | None
     ) -> Iterable[Metric]:
         by_outcome = CounterMetricFamily(
             "ouroboros_lineage_generations",
@@ -231,32 +309,48 @@ class FleetCollector(Collector):
             GaugeMetricFamily, "ouroboros_lineage_generation", "The lineage's latest generation."
         )
         fleet = Counter[str]()
-        fleet_deaths = fleet_spent = fleet_budget = 0.0
-        fleet_unavailable = 0
+        fleet_deaths = fleet_spent = fleet_budget = fleet_backlog = 0.0
+        fleet_unavailable = fleet_running = 0.0
+        partial = store is None
         for lineage in lineages:
-            entries = indexed[lineage.name]
+            name = lineage.name
+            head.add_metric([name], lineage.generation)
+            summary = store.lineages.get(name) if store else None
+            if store is None or summary is None:
+                # Not read from the store (down, or the lineage is newer than its last
+                # answer): every figure it gives is unknown, and so are the totals.
+                for family in (deaths, unavailable, spent, calls, backlog):
+                    family.add_metric([name], UNKNOWN)
+                for outcome in OUTCOMES:
+                    by_outcome.add_metric([name, outcome], UNKNOWN)
+                for family in (budget, run_spent, run_left):
+                    family.add_metric([name], UNKNOWN)
+                partial = True
+                continue
+            entries = store.indexed[name]
             outcomes = Counter[str](e.outcome for e in entries)
             for outcome in OUTCOMES:
-                by_outcome.add_metric([lineage.name, outcome], outcomes[outcome])
+                by_outcome.add_metric([name, outcome], outcomes[outcome])
             fleet.update(outcomes)
             died = sum(outcomes[o] for o in DEATHS)
-            deaths.add_metric([lineage.name], died)
+            deaths.add_metric([name], died)
             marked = sum(e.model_unavailable for e in entries)
-            unavailable.add_metric([lineage.name], marked)
+            unavailable.add_metric([name], marked)
             fleet_unavailable += marked
             money = float(sum((e.spent_usd for e in entries), Decimal(0)))
-            spent.add_metric([lineage.name], money)
-            calls.add_metric([lineage.name], sum(e.model_calls for e in entries))
-            backlog.add_metric([lineage.name], lineage.backlog or 0)
-            head.add_metric([lineage.name], lineage.generations)
+            spent.add_metric([name], money)
+            calls.add_metric([name], sum(e.model_calls for e in entries))
+            backlog.add_metric([name], summary.backlog or 0)
+            fleet_backlog += summary.backlog or 0
+            fleet_running += summary.status == "running"
             fleet_deaths += died
             fleet_spent += money
-            if lineage.run is not None:
-                progress = lineage.run
-                budget.add_metric([lineage.name], float(progress.run.budget_usd))
-                run_spent.add_metric([lineage.name], float(progress.spent_usd))
+            if summary.run is not None:
+                progress = summary.run
+                budget.add_metric([name], float(progress.run.budget_usd))
+                run_spent.add_metric([name], float(progress.spent_usd))
                 left = 0 if progress.stopped else max(0, progress.wanted - progress.done)
-                run_left.add_metric([lineage.name], left)
+                run_left.add_metric([name], left)
                 if progress.stopped is None:
                     fleet_budget += float(progress.remaining_usd)
         yield from (
@@ -277,8 +371,11 @@ class FleetCollector(Collector):
             labels=["outcome"],
         )
         for outcome in OUTCOMES:
-            total.add_metric([outcome], fleet[outcome])
+            total.add_metric([outcome], UNKNOWN if partial else fleet[outcome])
         yield total
+        if partial:
+            fleet_deaths = fleet_spent = fleet_budget = fleet_backlog = UNKNOWN
+            fleet_unavailable = fleet_running = UNKNOWN
         yield CounterMetricFamily(
             "ouroboros_deaths", "Observed deaths of every lineage.", value=fleet_deaths
         )
@@ -298,28 +395,33 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily(
             "ouroboros_observation_backlog",
             "Generations committed whose observation is not stored yet, every lineage.",
-            value=sum(lineage.backlog or 0 for lineage in lineages),
+            value=fleet_backlog,
         )
         yield GaugeMetricFamily(
             "ouroboros_lineages_running_runs",
             "Fleet lineages whose latest run still wants generations.",
-            value=sum(1 for lineage in lineages if lineage.status == "running"),
+            value=fleet_running,
         )
 
-    def _histograms(self, indexed: dict[str, list[IndexEntry]]) -> Iterable[Metric]:
+    def _histograms(self, store: StoreFigures | None) -> Iterable[Metric]:
         wall, cpu, memory = Buckets(WALL_BUCKETS), Buckets(CPU_BUCKETS), Buckets(MEMORY_BUCKETS)
-        for entries in indexed.values():
+        for entries in store.indexed.values() if store else ():
             for entry in entries:
                 wall.add(entry.duration_seconds)
                 if entry.cpu_usage_nsec is not None:
                     cpu.add(entry.cpu_usage_nsec / 1e9)
                 if entry.memory_peak_bytes is not None:
                     memory.add(float(entry.memory_peak_bytes))
+        if store is None:
+            for histogram in (wall, cpu, memory):
+                histogram.unknown()
         yield wall.family("ouroboros_generation_wall_seconds", "Wall time of each observed life.")
         yield cpu.family("ouroboros_generation_cpu_seconds", "CPU time of each observed life.")
         yield memory.family(
             "ouroboros_generation_memory_peak_bytes", "Peak memory of each observed life."
         )
+
+    def _tally_metrics(self) -> Iterable[Metric]:
         yield self.tally.duration.family(
             "ouroboros_generation_duration_seconds",
             "Each observed generation from its enqueue to the end of its life.",
@@ -355,62 +457,49 @@ class FleetCollector(Collector):
             value=len(self.tally.seen),
         )
 
-    # -- the broker -----------------------------------------------------------
+    # -- the broker and the live workers ----------------------------------------
 
-    def _broker_metrics(
-        self, lineages: list[LineageSummary], workers: Workers | None
+    def _worker_metrics(
+        self, lineages: list[GitLineage], store: StoreFigures | None, workers: Workers | None
     ) -> Iterable[Metric]:
-        queues = {CONTROL_QUEUE}
-        queues.update(
-            queue_name(lineage.instrument_fingerprint)
-            for lineage in lineages
-            if lineage.instrument_fingerprint
-        )
-        serving = workers.per_queue() if workers and workers.reachable else {}
+        answered = workers is not None and workers.reachable
+        serving = workers.per_queue() if workers is not None and answered else {}
+        queues = {CONTROL_QUEUE, *(lineage.queue for lineage in lineages)}
         queues.update(q for q in serving if q.startswith("gen."))
         live = GaugeMetricFamily(
             "ouroboros_live_workers",
             "Live workers consuming each queue (Celery control broadcast).",
             labels=["queue"],
         )
+        for queue in sorted(queues):
+            live.add_metric([queue], serving.get(queue, 0) if answered else UNKNOWN)
         waiting = _per_lineage(
             GaugeMetricFamily,
             "ouroboros_lineage_waiting_for_worker",
             "1 while the lineage's run wants more and no live worker serves its queue.",
         )
-        if workers is not None and workers.reachable:
-            for queue in sorted(queues):
-                live.add_metric([queue], serving.get(queue, 0))
-            for lineage in lineages:
-                queue = queue_name(str(lineage.instrument_fingerprint))
-                unserved = lineage.status == "running" and workers.unserved(queue)
-                waiting.add_metric([lineage.name], int(unserved))
+        for lineage in lineages:
+            summary = store.lineages.get(lineage.name) if store else None
+            if workers is None or not answered or summary is None:
+                waiting.add_metric([lineage.name], UNKNOWN)
+                continue
+            unserved = summary.status == "running" and workers.unserved(lineage.queue)
+            waiting.add_metric([lineage.name], int(unserved))
         yield from (live, waiting)
         yield GaugeMetricFamily(
             "ouroboros_workers_answered",
             "Live workers that answered the broker's broadcast.",
-            value=len(workers.workers) if workers else 0,
+            value=len(workers.workers) if workers is not None and answered else UNKNOWN,
         )
-        yield from self._redis_metrics(lineages, sorted(queues))
 
-    def _redis_metrics(self, lineages: list[LineageSummary], queues: list[str]) -> Iterable[Metric]:
-        settings = self.settings
-        up = settings is not None and (
-            bool(settings.broker_url) or embedded_redis.running(settings)
-        )
-        families: list[Metric] = []
-        if up and settings is not None:
-            try:
-                families = [*self._markers(settings, lineages), self._depths(settings, queues)]
-            except (redis.RedisError, OSError, ChannelError):
-                up, families = False, []
+    def _broker_metrics(
+        self, lineages: list[GitLineage], broker: BrokerFigures | None
+    ) -> Iterable[Metric]:
         yield GaugeMetricFamily(
-            "ouroboros_broker_up", "1 if the broker answered this scrape.", value=int(up)
+            "ouroboros_broker_up",
+            "1 if the broker answered its latest probe (every few seconds).",
+            value=int(broker is not None),
         )
-        yield from families
-
-    def _markers(self, settings: Settings, lineages: list[LineageSummary]) -> list[Metric]:
-        client = redis_keys.redis_client(settings)
         in_flight = _per_lineage(
             GaugeMetricFamily,
             "ouroboros_lineage_in_flight",
@@ -428,45 +517,30 @@ class FleetCollector(Collector):
         )
         counts = Counter[str]()
         for lineage in lineages:
-            marks = {
-                "in_flight": markers.in_flight(client, lineage.name) is not None,
-                "running": leases.lease_held(client, lineage.name),
-                # Not one being tried again now (its retry time has come).
-                "blocked": block_markers.blocking(client, lineage.name) is not None,
-            }
-            in_flight.add_metric([lineage.name], int(marks["in_flight"]))
-            running.add_metric([lineage.name], int(marks["running"]))
-            blocked.add_metric([lineage.name], int(marks["blocked"]))
-            counts.update(key for key, on in marks.items() if on)
-        return [
-            in_flight,
-            running,
-            blocked,
-            GaugeMetricFamily(
-                "ouroboros_lineages_in_flight",
-                "Lineages with a job queued or running.",
-                value=counts["in_flight"],
-            ),
-            GaugeMetricFamily(
-                "ouroboros_lineages_blocked", "Lineages blocked.", value=counts["blocked"]
-            ),
-        ]
-
-    def _depths(self, settings: Settings, queues: list[str]) -> Metric:
+            marks = broker.marks.get(lineage.name) if broker else None
+            if marks is None:
+                for family in (in_flight, running, blocked):
+                    family.add_metric([lineage.name], UNKNOWN)
+                continue
+            in_flight.add_metric([lineage.name], int(marks.in_flight))
+            running.add_metric([lineage.name], int(marks.running))
+            blocked.add_metric([lineage.name], int(marks.blocked))
+            counts.update(in_flight=marks.in_flight, blocked=marks.blocked)
+        yield from (in_flight, running, blocked)
+        yield GaugeMetricFamily(
+            "ouroboros_lineages_in_flight",
+            "Lineages with a job queued or running.",
+            value=counts["in_flight"] if broker else UNKNOWN,
+        )
+        yield GaugeMetricFamily(
+            "ouroboros_lineages_blocked",
+            "Lineages blocked.",
+            value=counts["blocked"] if broker else UNKNOWN,
+        )
         depth = GaugeMetricFamily(
             "ouroboros_queue_depth", "Messages waiting in each queue.", labels=["queue"]
         )
-        if self._app is None:
-            self._app = client_app(settings)
-        with self._app.connection_for_read() as connection:
-            connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
-            channel = connection.default_channel
-            for queue in queues:
-                try:
-                    # kombu's channels declare queues; the stubs' StdChannel lacks the method.
-                    declared = channel.queue_declare(queue=queue, passive=True)  # type: ignore[attr-defined]
-                    count = declared.message_count
-                except ChannelError:  # the transport deletes a queue's list once it is empty
-                    count = 0
-                depth.add_metric([queue], count)
-        return depth
+        queues = {CONTROL_QUEUE, *(lineage.queue for lineage in lineages)}
+        for queue in sorted(queues):
+            depth.add_metric([queue], broker.depths.get(queue, 0) if broker else UNKNOWN)
+        yield depth

@@ -1,4 +1,4 @@
-"""Live workers for the web UI, from the broker, only when it answers quickly.
+"""Live workers for the web UI, from the broker, never waited on for long.
 
 Owns the optional provider the overview and ``/metrics`` call: which workers are
 alive and which queues they serve (a generation queue is ``gen.<fingerprint12>``,
@@ -6,9 +6,11 @@ one per instrument), asked through ``scheduler.liveness.ask``. Browsing must nev
 hang on the broker or fail because of it: the provider answers None when no Celery
 app can be built (settings that do not validate; shown as "no broker"), reports an
 unreachable broker as such, reports no workers without asking when the embedded
-broker is not running (every worker starts it, so none can be live), and
-remembers its answer for a few seconds so that a dead broker costs one timeout
-per interval, not one per page view.
+broker is not running (every worker starts it, so none can be live). The web
+app asks it through a ``Probe`` (``probed``): in the background, once per interval
+at most, so the broadcast's own wait (about a second) and a dead broker's timeout
+are never a page view's or a scrape's; until the probe has answered, the workers
+are unknown (unreachable), never "none".
 
 Trusts: a client Celery app (``worker.fleet.app.client_app``: it loads no worker
 instrument, so the web UI runs where no sandbox could).
@@ -16,17 +18,15 @@ instrument, so the web UI runs where no sandbox could).
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 
-from scheduler.liveness import Workers, ask
+from scheduler.liveness import UNREACHABLE, Workers, ask
+from scheduler.web.probes import Answer, Probe
 from worker.fleet import embedded_redis
 from worker.fleet.app import client_app
 from worker.fleet.settings import Settings
 
 WorkersProvider = Callable[[], Workers | None]
-REMEMBER_SECONDS = 5.0
 
 
 def live_workers() -> Workers | None:
@@ -40,17 +40,15 @@ def live_workers() -> Workers | None:
     return ask(client_app(settings))
 
 
-def remembered(provider: WorkersProvider, seconds: float = REMEMBER_SECONDS) -> WorkersProvider:
-    """``provider`` with its last answer kept for ``seconds``."""
-    lock = threading.Lock()
-    last: list[tuple[float, Workers | None]] = []
+def probed(probe: Probe[Workers | None]) -> WorkersProvider:
+    """The provider that reads ``probe``'s latest answer: unreachable when it has none."""
 
-    def cached() -> Workers | None:
-        with lock:
-            if last and time.monotonic() - last[0][0] < seconds:
-                return last[0][1]
-            answer = provider()
-            last[:] = [(time.monotonic(), answer)]
-            return answer
+    def latest() -> Workers | None:
+        return known(probe.latest())
 
-    return cached
+    return latest
+
+
+def known(answer: Answer[Workers | None] | None) -> Workers | None:
+    """The workers an answer names; unreachable when the probe has no answer or failed."""
+    return answer.value if answer is not None and answer.ok else UNREACHABLE

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from support.fleet import Fleet, free_port
+from support.fleet import Fleet, free_port, wait_for
 from support.legacy_lineage import write_legacy_bundle
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.repo_admin import ensure_shared_repo
@@ -298,6 +298,15 @@ class Served:
 
     def get(self, path: str) -> httpx.Response:
         return self.client.get(path)
+
+    def wait_for_workers(self) -> None:
+        """Wait until the overview shows the broker's answer on live workers: the web
+        process asks in the background, so its first answer may follow the first request."""
+        wait_for(
+            lambda: self.get("/api/").json()["broker"] == "inspected",
+            30,
+            "the web process's answer on live workers",
+        )
 
     def raw(self, request_target: str) -> int:
         """Status of a request sent byte for byte (no client-side path normalisation)."""

@@ -137,12 +137,16 @@ def eval_script(
     )
 
 
-def redis_client(settings: Settings, *, outlast_restart: bool = False) -> redis.Redis:
+def redis_client(
+    settings: Settings, *, outlast_restart: bool = False, timeout: float | None = None
+) -> redis.Redis:
     """A client for the broker's Redis (kombu's ``redis+socket://`` is redis-py's ``unix://``).
 
     outlast_restart: retry each command through a broker restart (the worker's
     clients). Every command sent through such a client must be safe to repeat: a
     command whose reply was lost may have been applied.
+    timeout: the connect and socket timeouts, for a reader that must answer soon
+    (the web process); by default 5 s to connect and 10 s per command.
     """
     url = settings.broker
     if url.startswith("redis+socket://"):
@@ -152,4 +156,6 @@ def redis_client(settings: Settings, *, outlast_restart: bool = False) -> redis.
         if outlast_restart
         else {}
     )
-    return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5, **retry)
+    return redis.Redis.from_url(
+        url, socket_timeout=timeout or 10, socket_connect_timeout=timeout or 5, **retry
+    )

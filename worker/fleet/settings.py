@@ -48,6 +48,10 @@ class Settings(InstrumentSettings):
     embedded_redis_idle_seconds: float = Field(600.0, ge=1, le=7 * 24 * 3600)
     web_host: str = "127.0.0.1"
     web_port: int = Field(8765, ge=1, le=65535)
+    # How often the web process asks the broker, the live workers and the store for
+    # what its pages and /metrics show (scheduler.web.probes): at most once per
+    # interval, whatever the number of requests.
+    web_probe_seconds: float = Field(2.0, ge=0.2, le=60)
     # The fleet-wide cap on calls to each model provider, shared by every worker through
     # the broker's Redis (worker.fleet.model_throttle); 0 switches a limit off. The
     # defaults keep a fleet within the smallest paid tiers' limits: raise them to yours.
