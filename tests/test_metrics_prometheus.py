@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from support.prometheus import Watched
 
-from worker.instrument.records import Observation
+from worker.instrument.records import Observation, Outcome
 
 # Full tier: Prometheus, `serve`, redis-server and moto as processes, and real lives.
 pytestmark = pytest.mark.full
@@ -66,7 +67,8 @@ def test_prometheus_sees_the_fleet_through_outages(tmp_path: Path) -> None:
         # The store stops: the target stays up, the store gauge reads 0, its figures NaN.
         watched.store.stop()
         prometheus.wait("ouroboros_store_up == 0")
-        prometheus.wait(f"count({UNKNOWN.format('ouroboros_generations_total')}) == 7")
+        outcomes = len(get_args(Outcome))
+        prometheus.wait(f"count({UNKNOWN.format('ouroboros_generations_total')}) == {outcomes}")
         assert prometheus.scalar("up") == 1
         assert prometheus.scalar('ouroboros_lineage_generation{lineage="alpha"}') == 3
         assert prometheus.scalar("ouroboros_broker_up") == 1
