@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import pygit2
 
-from worker.instrument.path_rules import target_problem, tree_name_problem
+from worker.instrument.path_rules import shown, target_problem, tree_name_problem
 
 _TREE_MODE = 0o040000
 _SYMLINK_MODE = 0o120000
@@ -41,7 +41,7 @@ def refused_name(repo: pygit2.Repository, roots: Iterable[pygit2.Tree]) -> str |
             if problem is None and item.filemode == _SYMLINK_MODE:
                 problem = target_problem(repo[item.id].peel(pygit2.Blob).data)
             if problem is not None:
-                return f"{_shown(path)}: {problem}"
+                return f"{shown(path)}: {problem}"
             if item.filemode == _TREE_MODE:
                 pending.append((path + b"/", repo[item.id].peel(pygit2.Tree)))
     return None
@@ -50,11 +50,3 @@ def refused_name(repo: pygit2.Repository, roots: Iterable[pygit2.Tree]) -> str |
 def history_trees(repo: pygit2.Repository, tip: str) -> list[pygit2.Tree]:
     """The root tree of every commit in ``tip``'s history, every parent followed."""
     return [commit.tree for commit in repo.walk(repo[tip].peel(pygit2.Commit).id)]
-
-
-def _shown(path: bytes) -> str:
-    """A path for a one-line message: quoted, every unprintable character escaped."""
-    try:
-        return repr(path.decode("utf-8"))
-    except UnicodeDecodeError:
-        return repr(path)

@@ -35,7 +35,7 @@ from worker.instrument.decoder import (
     decode_archive,
 )
 from worker.instrument.names import KERNEL_OWNED
-from worker.instrument.path_rules import is_dotgit, is_gitattributes, is_gitmodules
+from worker.instrument.path_rules import is_dotgit, is_gitattributes, is_gitmodules, shown
 from worker.instrument.physics import Physics
 
 T = TypeVar("T")
@@ -453,7 +453,7 @@ def test_pax_headers_are_parsed_in_linear_time(tmp_path: Path) -> None:
 
 def test_reason_is_one_line_even_for_hostile_names(tmp_path: Path) -> None:
     reason = rejection(build(regular("evil\nname\r/../x", b"")), tmp_path / "dest")
-    assert reason == "member 'evil\\nname\\r/../x': control character in the name"
+    assert reason == "member 'evil\\nname\\r/../x': U+000A control character in the name"
     reason = rejection(build(regular("z" * 300 + "/..", b"")), tmp_path / "dest")
     assert "...(cut)" in reason and len(reason) < 250
 
@@ -713,8 +713,9 @@ def test_control_characters_in_names_and_targets_are_rejected(tmp_path: Path, na
     assert "control character in the name" in rejection(
         build(regular(name, b"AAA")), tmp_path / "dest"
     )
+    first = next(ch for ch in name if not ch.isprintable())
     assert rejection(build(body(), link("l", name)), tmp_path / "dest") == (
-        "member 'l': control character in the symlink target"
+        f"member 'l': U+{ord(first):04X} control character in the symlink target"
     )
 
 
@@ -740,7 +741,8 @@ def test_invisible_characters_in_names_and_targets_are_rejected_by_name(
     # "gnp.\u202etxt.el" shows as "gnp.le.txt" wherever bidi text is rendered.
     for name in (f"gnp.{char}txt.el", f"dir{char}/file", f"{char}"):
         reason = rejection(build(body(), regular(name, b"x")), tmp_path / "dest")
-        assert reason == f"member {name!r}: {named} in the name"
+        # The name as shown escapes the character: the reason itself reads unambiguously.
+        assert reason == f"member {shown(name.encode())}: {named} in the name"
         assert reason.isprintable()  # the reason itself shows the name escaped
     reason = rejection(build(body(), link("l", f"real{char}.el")), tmp_path / "dest")
     assert reason == f"member 'l': {named} in the symlink target"
@@ -779,15 +781,24 @@ def test_look_alike_characters_in_names_and_targets_are_rejected_by_name(
 ) -> None:
     for name in (f"journal.md{char}", f"organism{char}.el", f"dir{char}/file", char):
         reason = rejection(build(body(), regular(name, b"x")), tmp_path / "dest")
-        assert reason == f"member {name!r}: {named} in the name"
+        # The name as shown escapes the character: the reason itself reads unambiguously.
+        assert reason == f"member {shown(name.encode())}: {named} in the name"
     reason = rejection(build(body(), link("l", f"real{char}.el")), tmp_path / "dest")
     assert reason == f"member 'l': {named} in the symlink target"
 
 
 def test_visible_non_ascii_names_are_kept(tmp_path: Path) -> None:
-    names = ["é.el", "e\u0301.el", "日本語/ノート.txt", "a b.txt", "Ω≈ç√.el"]
+    names = ["é.el", "日本語/ノート.txt", "a b.txt", "Ω≈ç√.el"]
     archive = build(body(), *(regular(name, b"x") for name in names), link("l", "Ω/ノート"))
     assert sorted(decode(archive, tmp_path / "dest")) == sorted([*names, "l", "organism.el"])
+
+
+def test_a_decomposed_name_beside_its_composed_twin_is_rejected(tmp_path: Path) -> None:
+    archive = build(body(), regular("café.el", b"x"), regular("cafe\u0301.el", b"y"))
+    assert rejection(archive, tmp_path / "dest") == (
+        "member 'cafe\u0301.el': the name is not in Unicode's composed form (NFC), so it "
+        "would read as 'café.el'; write it composed"
+    )
 
 
 # --- the body --------------------------------------------------------------------------
@@ -874,6 +885,6 @@ def test_a_look_alike_name_written_by_a_life_is_a_decoder_rejection_naming_it(
     observation = fleet.observation("forger", 1)
     assert observation["outcome"] == "decoder_rejection"
     assert observation["rejection_reason"] == (
-        f"member {'./journal.md' + char!r}: {named} in the name"
+        f"member {shown(('./journal.md' + char).encode())}: {named} in the name"
     )
     assert fleet.files("forger") == [".ouroboros-lineage.json", "journal.md", "organism.el"]

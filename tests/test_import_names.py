@@ -15,6 +15,8 @@ from typing import NamedTuple
 import pytest
 from support.fleet import Fleet
 
+from worker.instrument.path_rules import shown
+
 pytestmark = pytest.mark.full
 
 _GIT_ID = ["-c", "user.name=t", "-c", "user.email=t@example.invalid"]
@@ -85,8 +87,8 @@ def _stored(fleet: Fleet) -> tuple[str, str]:
 
 BODY = b'(message "alive")\n'
 HOSTILE = [
-    pytest.param("esc\x1b[31m.el", "control character in the name", id="ESC"),
-    pytest.param("x\nhostname", "control character in the name", id="newline"),
+    pytest.param("esc\x1b[31m.el", "U+001B control character in the name", id="ESC"),
+    pytest.param("x\nhostname", "U+000A control character in the name", id="newline"),
     pytest.param("gnp.\u202etxt.el", "U+202E RIGHT-TO-LEFT OVERRIDE in the name", id="U+202E"),
     pytest.param("journal.md\u034f", "U+034F COMBINING GRAPHEME JOINER in the name", id="U+034F"),
     pytest.param("organism.el\u3164", "U+3164 HANGUL FILLER in the name", id="U+3164"),
@@ -117,7 +119,7 @@ def test_import_bundle_refuses_a_hostile_name_with_the_decoders_reason(
     before = _stored(fleet)
     line = _refused(fleet, "import-bundle", str(_bundle(recording)), "imported")
     assert line.endswith(
-        f"holds a name no life could publish: {'sub/' + name!r}: {reason} "
+        f"holds a name no life could publish: {shown(('sub/' + name).encode())}: {reason} "
         "(rename it in every commit, e.g. with git filter-repo, and bundle again)"
     )
     assert _stored(fleet) == before
@@ -170,7 +172,8 @@ def test_fork_refuses_a_source_tree_holding_a_hostile_name(
     before = _stored(fleet)
     line = _refused(fleet, "fork", "heir", "--from", "old")
     assert line.endswith(
-        f"holds a name no life could publish: {name!r}: {reason}; fork another generation"
+        f"holds a name no life could publish: {shown(name.encode())}: {reason}; "
+        "fork another generation"
     )
     assert _stored(fleet) == before
     fleet.ok("fork", "heir", "--from", "old@0")

@@ -16,6 +16,7 @@ import regex
 from worker.instrument.path_rules import (
     is_default_ignorable,
     legibility_problem,
+    shown,
     tree_name_problem,
 )
 
@@ -77,8 +78,8 @@ def test_each_look_alike_is_refused_in_a_name_and_a_tree_entry(char: str, named:
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
-        (b"esc\x1b[31m", "control character in the name"),
-        (b"line\nbreak", "control character in the name"),
+        (b"esc\x1b[31m", "U+001B control character in the name"),
+        (b"line\nbreak", "U+000A control character in the name"),
         ("gnp.\u202etxt.el".encode(), "U+202E RIGHT-TO-LEFT OVERRIDE in the name"),
         (b"\xff\xfe", "the name is not valid UTF-8"),
         (b".GIT", "'.GIT' is, or is treated by git as, a .git directory"),
@@ -93,6 +94,27 @@ def test_a_tree_entry_name_is_refused_for_what_the_decoder_refuses(
     assert tree_name_problem(name) == reason
 
 
-@pytest.mark.parametrize("name", ["organism.el", "é.el", "e\u0301.el", "ノート.txt", "a b.txt"])
+@pytest.mark.parametrize("name", ["organism.el", "é.el", "ノート.txt", "a b.txt", "한글.el"])
 def test_visible_names_pass(name: str) -> None:
     assert tree_name_problem(name.encode()) is None
+
+
+def test_a_name_not_in_nfc_is_refused_naming_the_name_it_would_read_as() -> None:
+    # "café" decomposed, beside "café" composed: two names that render the same.
+    assert tree_name_problem("cafe\u0301.el".encode()) == (
+        "the name is not in Unicode's composed form (NFC), so it would read as 'café.el'; "
+        "write it composed"
+    )
+
+
+def test_a_blank_look_alike_is_refused_naming_it() -> None:
+    assert tree_name_problem("\u2800.el".encode()) == "U+2800 BRAILLE PATTERN BLANK in the name"
+
+
+@pytest.mark.parametrize("char", ["\u3164", "\u115f", "\u034f", "\ufe00", "\u202e", "\x9b"])
+def test_a_refused_name_is_shown_with_what_a_reader_cannot_see_escaped(char: str) -> None:
+    shown_name = shown(f"journal.md{char}".encode())
+    assert char not in shown_name
+    assert shown_name == f"'journal.md\\u{ord(char):04x}'" or shown_name.startswith(
+        "'journal.md\\x"
+    )

@@ -75,6 +75,26 @@ def test_the_json_api_escapes_them_and_still_reads_back(served: Served, path: st
     assert BIDI in json.dumps(answer.json(), ensure_ascii=False)
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/",
+        "/lineages/bidi",
+        "/lineages/bidi/generations/1",
+        "/lineages/bidi/generations/2",
+        "/lineages/bidi/compare/1/2",
+    ],
+)
+def test_no_page_prints_them_raw(served: Served, path: str) -> None:
+    """Not only the diff: stderr, prompts, responses, the lethal body, journal text and
+    every reason show each control as ``<U+XXXX>`` (a hostile review found them raw)."""
+    answer = served.get(path)
+    assert answer.status_code == 200, answer.text
+    assert _raw(answer.text) == []
+    if "generations" in path:
+        assert "&lt;U+202E&gt;" in answer.text
+
+
 @pytest.mark.browser
 def test_the_web_diff_marks_each_control_visibly(served: Served, tmp_path: Path) -> None:
     with sync_playwright() as playwright:

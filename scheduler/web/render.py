@@ -9,7 +9,10 @@ only its own fixed marker element, so organism-made text is always inert.
 ``marked`` shows each C1 or bidi control (``legible``) in a diff or path as a visible
 marker titled with the code point and its name, as code hosts do: raw, a bidi override
 in ``organism.el`` would make the diff a researcher reviews read otherwise than the code
-runs ("Trojan Source").
+runs ("Trojan Source"). Everything else a page prints (stderr, prompts and responses,
+the lethal body, journal text, reasons) passes ``_visible``, the environment's
+``finalize``: each such control becomes the text ``<U+202E>``, escaped, which is inert
+in an attribute as well as in text.
 """
 
 from __future__ import annotations
@@ -77,6 +80,18 @@ def _marked(text: str) -> Markup:
     )
 
 
+def _visible(value: object) -> object:
+    """What every expression prints: text escaped, each C1 or bidi control as ``<U+XXXX>``.
+
+    Markup (what ``marked`` and the charts made) is already escaped; a control left in
+    it can only be organism text, and is replaced the same way.
+    """
+    if not isinstance(value, str):
+        return value
+    escaped = value if isinstance(value, Markup) else escape(value)
+    return Markup(UNSAFE.sub(lambda m: f"&lt;U+{ord(m.group()):04X}&gt;", escaped))
+
+
 def _badge(outcome: str) -> str:
     """The CSS class of an outcome badge (a fixed vocabulary, never organism text)."""
     if is_death(outcome):
@@ -93,6 +108,7 @@ def environment() -> Environment:
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
+        finalize=_visible,
     )
     env.filters.update(
         mib=_mib,

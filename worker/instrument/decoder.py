@@ -169,7 +169,7 @@ def plan_archive(archive: bytes, limits: DecodeLimits) -> list[PlannedEntry]:
                 if path_rules.is_gitattributes(item.parts[-1]):
                     _check(path_rules.gitattributes_problem(archive, item.data, item.size))
         except _Broken as broken:
-            raise DecoderRejection(f"member {_show(header.name)}: {broken}") from None
+            raise DecoderRejection(f"member {path_rules.shown(header.name)}: {broken}") from None
         planned.append(item)
     _check_body(planned, kinds)
     return planned
@@ -185,7 +185,7 @@ def _check_body(planned: list[PlannedEntry], kinds: dict[tuple[str, ...], str]) 
     elif body.target is None:
         return
     else:
-        what = f"a symlink to {_show(body.target.encode())}"
+        what = f"a symlink to {path_rules.shown(body.target.encode())}"
     raise DecoderRejection(
         f"{ORGANISM_PATH} is {what}: a result must hold the body the next life loads "
         "as a regular file"
@@ -294,12 +294,3 @@ def _utf8(raw: bytes, what: str) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise _Broken(f"{what} is not valid UTF-8") from None
-
-
-def _show(raw: bytes) -> str:
-    """A member name for a one-line message: quoted, escaped, and cut when huge."""
-    try:
-        shown = repr(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        shown = repr(raw)
-    return shown if len(shown) <= 160 else shown[:150] + "...(cut)"

@@ -5,7 +5,8 @@ Owns, as public functions so that every way into the shared repository applies t
 same rules (the decoder for a life's result, ``import-bundle`` and ``fork`` for trees
 made elsewhere): the legibility of a name or symlink target (no control character, no
 invisible formatting character, no line or paragraph separator, no default-ignorable
-code point, no space but U+0020), git's own name rules (``.git``, ``.gitmodules`` and
+code point, no space but U+0020, no blank look-alike, and in Unicode's composed form NFC
+so that one name has one spelling), git's own name rules (``.git``, ``.gitmodules`` and
 ``.gitattributes`` as git reads them on NTFS and HFS+, after any backslash too), the
 component rules (not empty, ``.`` or ``..``, at most NAME_MAX bytes), and git fsck's
 rules for a ``.gitattributes`` blob. Each check returns the one-line reason a name is
@@ -82,6 +83,9 @@ ATTR_MAX_LINE_LENGTH = 2048
 # Invisible formatting characters and the line and paragraph separators: a name holding
 # one does not read as what it is. (Control characters, Cc, get a reason of their own.)
 _INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
+# Letters and symbols that render as nothing and are no default-ignorable: a name of
+# them looks empty, or like its neighbour with a space.
+BLANK_LOOKALIKES = frozenset({"\u2800"})  # BRAILLE PATTERN BLANK
 # Unicode's Default_Ignorable_Code_Point, from DerivedCoreProperties.txt (Unicode 16.0):
 # first and last code point of each range. Most are Cf, refused as such already; the
 # rest render as nothing (U+034F COMBINING GRAPHEME JOINER, the Hangul fillers, the
@@ -126,16 +130,40 @@ def legibility_problem(text: str, what: str) -> str | None:
     if text.isascii() and text.isprintable():
         return None  # the common case; every refused character is unprintable or not ASCII
     for ch in text:
-        category = unicodedata.category(ch)
-        if category == "Cc":
-            return f"control character in {what}"
-        if (
-            category in _INVISIBLE_CATEGORIES
-            or (category == "Zs" and ch != " ")
-            or is_default_ignorable(ch)
-        ):
-            return f"U+{ord(ch):04X} {unicodedata.name(ch, 'unassigned')} in {what}"
+        if _illegible(ch):
+            return f"U+{ord(ch):04X} {unicodedata.name(ch, _unnamed(ch))} in {what}"
+    if not unicodedata.is_normalized("NFC", text):
+        return (
+            f"{what} is not in Unicode's composed form (NFC), so it would read as "
+            f"{shown(unicodedata.normalize('NFC', text).encode())}; write it composed"
+        )
     return None
+
+
+def _illegible(ch: str) -> bool:
+    category = unicodedata.category(ch)
+    return (
+        category == "Cc"
+        or category in _INVISIBLE_CATEGORIES
+        or (category == "Zs" and ch != " ")
+        or ch in BLANK_LOOKALIKES
+        or is_default_ignorable(ch)
+    )
+
+
+def _unnamed(ch: str) -> str:
+    return "control character" if unicodedata.category(ch) == "Cc" else "unassigned"
+
+
+def shown(raw: bytes) -> str:
+    """A name for a one-line message: quoted, every character a reader could not see
+    (what ``legibility_problem`` refuses) escaped, and cut when huge."""
+    try:
+        quoted = repr(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        quoted = repr(raw)
+    visible = "".join(f"\\u{ord(ch):04x}" if _illegible(ch) else ch for ch in quoted)
+    return visible if len(visible) <= 160 else visible[:150] + "...(cut)"
 
 
 def component_problem(part: str) -> str | None:

@@ -77,13 +77,17 @@ MASKED_PROC = (
     "/proc/asound",
     "/proc/cmdline",
     "/proc/config.gz",
+    "/proc/consoles",
+    "/proc/iomem",
     "/proc/kcore",
     "/proc/keys",
     "/proc/latency_stats",
+    "/proc/partitions",
     "/proc/sched_debug",
     "/proc/scsi",
     "/proc/timer_list",
     "/proc/timer_stats",
+    "/proc/tty",
 )
 # Debian's merged /usr: the top-level directories are symlinks into it.
 USR_SYMLINKS = {"/bin": "usr/bin", "/lib": "usr/lib", "/lib64": "usr/lib64", "/sbin": "usr/sbin"}
