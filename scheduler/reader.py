@@ -64,9 +64,9 @@ from worker.instrument.names import (
     ORGANISM_PATH,
     is_lineage_name,
 )
-from worker.instrument.records import IndexEntry, LineageIndex, Observation
+from worker.instrument.records import IndexEntry, LineageIndex, Observation, ReplayReport
 from worker.instrument.store import ObservationStore, open_store
-from worker.instrument.store_keys import generation_key, index_key
+from worker.instrument.store_keys import generation_key, index_key, replay_key
 
 DEFAULT_PER_PAGE = 50
 MAX_PER_PAGE = 500
@@ -276,6 +276,7 @@ class Reader:
             diff=self._diff(parent, commit.sha),
             observation=self._observation(name, commit),
             lethal_body=_text(lethal[:LETHAL_BODY_BYTES]) if lethal is not None else None,
+            replay=self._replay(name, number),
         )
 
     def compare(self, name: str, a: int, b: int) -> CompareView:
@@ -328,6 +329,16 @@ class Reader:
             return None
 
     # -- internals ------------------------------------------------------------
+
+    def _replay(self, name: str, number: int) -> ReplayReport | None:
+        """The generation's latest replay report; None without one, or one that does not read."""
+        raw = self.store.get(replay_key(name, number))
+        if raw is None:
+            return None
+        try:
+            return ReplayReport.model_validate_json(raw)
+        except ValidationError:
+            return None
 
     def _parent_url(self, history: History, heads: dict[str, str]) -> str | None:
         """The page of the exact commit a fork was seeded from, where this repository has it.
