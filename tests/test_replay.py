@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.browse import Served
 from support.fleet import Fleet, seed_file
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
@@ -235,3 +236,19 @@ def test_a_record_of_another_instrument_is_refused_in_one_line(copy: Fleet) -> N
 )
 def test_a_bad_request_is_refused_in_one_line(lived: Fleet, target: str, needle: str) -> None:
     assert needle in lived.refused("replay", target)
+
+
+def test_the_generation_page_and_the_api_show_the_latest_replay(
+    lived: Fleet, tmp_path: Path
+) -> None:
+    lived.cli("replay", "clock@1")
+    served = Served(lived, tmp_path / "serve.log")
+    try:
+        api = served.get("/api/lineages/clock/generations/1").json()
+        page = served.get("/lineages/clock/generations/1").text
+    finally:
+        served.stop()
+    assert api["replay"]["verdict"] == "diverged"
+    assert api["replay"]["reason"] == "tree: when.txt differs"
+    assert '<dd id="replay"><strong>diverged</strong>' in page
+    assert "tree: when.txt differs; likely cause the clock" in page
