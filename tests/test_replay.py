@@ -252,3 +252,17 @@ def test_the_generation_page_and_the_api_show_the_latest_replay(
     assert api["replay"]["reason"] == "tree: when.txt differs"
     assert '<dd id="replay"><strong>diverged</strong>' in page
     assert "tree: when.txt differs; likely cause the clock" in page
+
+
+def test_verify_replay_replays_an_exported_archive_in_a_second_fleet(
+    lived: Fleet, tmp_path: Path
+) -> None:
+    archive = tmp_path / "scripted.tar.gz"
+    lived.ok("export", "scripted", "--to", str(archive))
+    other = Fleet(tmp_path / "other")
+    other.home.mkdir()
+    result = other.ok("verify", "--replay", str(archive))
+    assert "verified" in result.stdout
+    assert "scripted: 8 reproduced, 0 diverged, 0 not replayable" in result.stdout
+    # The archive was replayed in a scratch fleet: this one still has no home of its own.
+    assert not (other.home / ".ouroboros").exists()

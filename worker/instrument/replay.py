@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 
 import pygit2
+from pydantic import ValidationError
 
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import Entry, LineageCache
@@ -125,19 +126,24 @@ def replay(pipeline: Pipeline, observation: Observation, commit: str) -> ReplayR
         return report("not replayable", f"its commit {commit[:12]} has no parent")
     parent = str(parents[0])
     try:
+        job = GenerationJob(
+            lineage=observation.lineage,
+            expected_commit=parent,
+            provider=observation.provider,
+            model=observation.model,
+            # The budget the life lived under, as a run had narrowed it.
+            budget_usd=observation.constraints.budget_usd,
+        )
+    except ValidationError:
+        return report(
+            "not replayable", f"its provider {observation.provider!r} is none this instrument knows"
+        )
+    try:
         model = model_of(observation.provider, observation.model)
         prices = resolve_prices(observation.provider, model, pipeline.settings)
     except Refusal as exc:
         return report("not replayable", f"the prices its calls were charged at: {exc}")
     provider = ReplayProvider(model, prices, observation.model_calls)
-    job = GenerationJob(
-        lineage=observation.lineage,
-        expected_commit=parent,
-        provider=observation.provider,
-        model=observation.model,
-        # The budget the life lived under, as a run had narrowed it.
-        budget_usd=observation.constraints.budget_usd,
-    )
     relived = pipeline.relive(job, parent, provider)
     try:
         _compare(pipeline, observation, commit, relived, provider)
