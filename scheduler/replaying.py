@@ -72,12 +72,16 @@ def replay_lineage(
 
 
 def _observation(store: ObservationStore, name: str, number: int) -> Observation | None:
-    """The generation's stored observation; None without one, or one that does not read."""
+    """The generation's stored observation; None without one, one that does not read, or
+    one of another generation (whose report would land under that one's key)."""
     raw = store.get(generation_key(name, number))
     try:
-        return Observation.model_validate_json(raw) if raw is not None else None
+        observation = Observation.model_validate_json(raw) if raw is not None else None
     except ValidationError:
         return None
+    if observation is None or (observation.lineage, observation.generation) != (name, number):
+        return None
+    return observation
 
 
 def _show(report: ReplayReport, out: Console) -> None:

@@ -216,6 +216,20 @@ def test_a_call_whose_text_was_omitted_is_not_replayable(copy: Fleet) -> None:
     assert "omitted over the audit cap" in str(report["reason"])
 
 
+def test_an_observation_of_another_generation_is_not_replayed_under_its_key(
+    copy: Fleet,
+) -> None:
+    """A store that holds generation 2's record at generation 1's key gets no report
+    written under either key, and no life is judged against the wrong record."""
+    second = copy.observation_path("scripted", 2).read_bytes()
+    copy.observation_path("scripted", 1).write_bytes(second)
+    before = reports(copy)
+    result = copy.ok("replay", "scripted@1")
+    assert "scripted gen 1: not replayable — no observation of it reads" in result.stdout
+    assert "0 reproduced, 0 diverged, 1 not replayable" in result.stdout
+    assert reports(copy) == before
+
+
 def test_a_record_of_another_instrument_is_refused_in_one_line(copy: Fleet) -> None:
     def foreign(data: dict[str, dict[str, object]]) -> None:
         data["provenance"]["instrument_fingerprint"] = "0" * 64

@@ -8,7 +8,8 @@ comparison that ends in a ``ReplayReport``: ``reproduced``, ``diverged`` (the fi
 difference named) or ``not replayable`` (the reason). Also owns keeping the report
 under its own key beside the observation (``keep``), the only write of a replay.
 
-What is compared, in order: the model calls (the replay provider's divergences,
+What is compared, in order: the physics (the record's against the lineage's pinned
+ones, narrowed by the recorded budget), the model calls (the replay provider's divergences,
 then each call's prompt sha256 and status), the outcome, the exit status (not for a
 wall or memory kill, whose moment is the host's timing), and the tree the life
 leaves, the journal excepted (its entry carries the time), as trees and never as
@@ -176,6 +177,8 @@ def _compare(
     provider: ReplayProvider,
 ) -> None:
     """Raise the first ``Difference`` between the replayed life and the record."""
+    if relived.plan.physics != observation.constraints:
+        raise Difference("physics: the record's constraints are not the lineage's pinned physics")
     if provider.divergences:
         raise Difference(provider.divergences[0])
     recorded_outcome, outcome = observation.outcome, relived.verdict.outcome
