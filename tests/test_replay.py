@@ -14,6 +14,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,15 @@ def test_every_generation_replays_reproduced_and_replay_writes_only_its_reports(
     assert shown["replay"]["recorded_outcome"] == "wall_timeout"
     text = lived.ok("observations", "scripted", "4").stdout
     assert "replay" in text and "reproduced" in text
+
+
+def test_the_answers_come_from_the_record_and_no_provider_is_asked(lived: Fleet) -> None:
+    """With the scripted provider made to take ten minutes for an answer (past every
+    call's deadline), a generation of two answered calls still replays at once."""
+    started = time.monotonic()
+    result = lived.ok("replay", "scripted@7", OUROBOROS_SCRIPTED_LATENCY_SECONDS="600")
+    assert "scripted: 1 reproduced, 0 diverged, 0 not replayable" in result.stdout
+    assert time.monotonic() - started < 60
 
 
 def test_a_recorded_response_altered_in_the_store_diverges_at_that_call(copy: Fleet) -> None:
