@@ -5,10 +5,12 @@ validate the lineage root, number the generation), live (prepare the private
 kernel directory, serve the model socket, run the life under the resource
 ceiling), judge (classify the outcome, decode the result or roll back), commit
 (journal entry in fixed words), observe (the trusted record) and publish (spool,
-compare-and-swap push, write-once observation). The Celery task and ``schedule-lineage run --local``
-both call ``Pipeline.run``; nothing else writes to a lineage. Its length (over 500
-lines) is that one job's: the phases share one ``Plan``, and much of it is the reasons
-for the rollback and the judging, kept beside the code they explain. The host's facts
+compare-and-swap push, write-once observation). The Celery task and
+``schedule-lineage run --local`` both call ``Pipeline.run``; nothing else writes to a
+lineage. ``Pipeline.relive``, the replay's entry, plans, lives and judges a generation
+again and writes nothing. Its length (over 500 lines) is that one job's: the phases
+share one ``Plan``, and much of it is the reasons for the rollback and the judging,
+kept beside the code they explain. The host's facts
 and the sandbox are given to it (``worker.instrument.host``), so it probes nothing.
 
 Trusts: the instrument it was built with, its settings, the shared repository and
