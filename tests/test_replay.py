@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 from support.browse import Served
-from support.fleet import Fleet, seed_file
+from support.fleet import Fleet, Worker, seed_file
+from support.lives import start
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -77,6 +79,8 @@ OUTCOMES = [
     "changed",
     "process_exit",
 ]
+# The workers' logs, which the tests keep in the fleet's home.
+WORKER_FILES = ("worker-",)
 PHYSICS = ["--wall", "8", "--cpu-seconds", "8", "--memory-max", "128M"]
 
 
@@ -290,3 +294,30 @@ def test_verify_replay_replays_an_exported_archive_in_a_second_fleet(
     assert "scripted: 8 reproduced, 0 diverged, 0 not replayable" in result.stdout
     # The archive was replayed in a scratch fleet: this one still has no home of its own.
     assert not (other.home / ".ouroboros").exists()
+
+
+def test_replay_on_the_fleet_with_two_workers_gives_the_local_summary(
+    lived: Fleet, tmp_path: Path, redis_url: str, workers: list[Worker]
+) -> None:
+    """Two workers replay the lineage as tasks on its instrument's queue; the summary is
+    the one ``replay`` gives here, and nothing of the lineage, its runs or Redis's
+    lineage keys is written."""
+    shutil.copytree(lived.home, tmp_path / "home", symlinks=True)
+    fleet = Fleet(tmp_path / "home", OUROBOROS_BROKER_URL=redis_url)
+    refused = fleet.refused("replay", "scripted", "--all", "--fleet")
+    assert "scripted: waiting: no live worker serves queue gen." in refused
+    assert reports(fleet) == reports(lived)
+    start(fleet, workers, "replay-a")
+    start(fleet, workers, "replay-b")
+    before, refs = snapshot(fleet), fleet.git("for-each-ref")
+    result = fleet.ok("replay", "scripted", "--all", "--fleet")
+    assert "scripted: 8 reproduced, 0 diverged, 0 not replayable" in result.stdout, result.stdout
+    for number, outcome in enumerate(OUTCOMES, start=1):
+        report = replayed(fleet, "scripted", number)
+        assert (report["verdict"], report["replayed_outcome"]) == ("reproduced", outcome)
+    assert fleet.git("for-each-ref") == refs
+    assert {p: s for p, s in snapshot(fleet).items() if not p.startswith(WORKER_FILES)} == {
+        p: s for p, s in before.items() if not p.startswith(WORKER_FILES)
+    }
+    client = redis.Redis.from_url(redis_url)
+    assert not [k for k in client.keys("ouroboros:*") if b"scripted" in k]

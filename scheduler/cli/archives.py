@@ -112,7 +112,7 @@ def _replayed_diverged(archive: Path, lineage: str) -> bool:
         )
         restore(archive, own.lineage_repo_url, observation_store(own))
         pipeline = build_pipeline(own, cache_role="replay")
-        return bool(replay_lineage(pipeline, lineage, None, None, console)["diverged"])
+        return bool(replay_lineage(pipeline, lineage, (None, None), console)["diverged"])
 
 
 @click.command("import")

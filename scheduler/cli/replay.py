@@ -1,15 +1,17 @@
-"""``schedule-lineage replay``: generations lived again from their observations, here.
+"""``schedule-lineage replay``: generations lived again from their observations.
 
 Imported only when it runs (see ``scheduler.cli``). Parses which generations
 (``NAME@GEN``, ``NAME@A..B`` or ``NAME --all``), builds the pipeline as ``run --local``
 does but on a cache of its own (``build_pipeline(cache_role="replay")``), and replays
-them (``scheduler.replaying``), each report kept as the generation's latest replay.
+them (``scheduler.replaying``), each report kept as the generation's latest replay;
+with ``--fleet`` the workers of the lineage's instrument replay them instead.
 Nothing else is written: no lease, branch, observation, run record or spool; no
 provider is reached.
 
-Exit status: 2 when the request is refused (a bad range, no such lineage, or every
-generation asked for recorded under another instrument: one line naming it), 1 when
-any generation diverged, else 0 (``not replayable`` is the record's limit, not a
+Exit status: 2 when the request is refused (a bad range, no such lineage, every
+generation asked for recorded under another instrument, or on the fleet no live
+worker serving its queue: one line), 1 when any generation diverged (or, on the
+fleet, never reported), else 0 (``not replayable`` is the record's limit, not a
 failure of the instrument).
 """
 
@@ -53,17 +55,27 @@ def parse_target(target: str, everything: bool) -> tuple[str, int | None, int | 
 @click.argument("target")
 @click.option("--all", "everything", is_flag=True, help="Replay every generation of NAME.")
 @click.option(
+    "--fleet",
+    "on_fleet",
+    is_flag=True,
+    help="Replay on the fleet's workers, one task per generation, instead of here.",
+)
+@click.option(
     "--ceiling",
     type=click.Choice(["auto", "systemd", "cgroup2", "cgroup1"]),
-    help="Resource ceiling driver [OUROBOROS_CEILING].",
+    help="Resource ceiling driver, here [OUROBOROS_CEILING].",
 )
-def replay_command(target: str, everything: bool, ceiling: str | None) -> None:
-    """Live generations of NAME again from their observations, in this process, and judge them."""
-    from scheduler.replaying import replay_lineage
+def replay_command(target: str, everything: bool, on_fleet: bool, ceiling: str | None) -> None:
+    """Live generations of NAME again from their observations and judge them (here, or --fleet)."""
+    from scheduler.replaying import replay_lineage, replay_on_fleet
 
     name, first, last = parse_target(target, everything)
     settings = load_settings()
     require_places(settings, write=True)
-    pipeline = build_pipeline(settings, ceiling, cache_role="replay")
-    if replay_lineage(pipeline, name, first, last, console)["diverged"]:
+    if on_fleet:
+        verdicts = replay_on_fleet(settings, name, (first, last), console)
+    else:
+        pipeline = build_pipeline(settings, ceiling, cache_role="replay")
+        verdicts = replay_lineage(pipeline, name, (first, last), console)
+    if verdicts["diverged"] or verdicts["unreported"]:
         sys.exit(1)

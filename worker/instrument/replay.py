@@ -5,8 +5,10 @@ at all, the life lived again through ``Pipeline.relive`` (the same plan, sandbox
 physics and judgement as the recorded life, on the parent's tree and kernel files,
 with a ``ReplayProvider`` answering each model call from the record), and the
 comparison that ends in a ``ReplayReport``: ``reproduced``, ``diverged`` (the first
-difference named) or ``not replayable`` (the reason). Also owns keeping the report
-under its own key beside the observation (``keep``), the only write of a replay.
+difference named) or ``not replayable`` (the reason). Also owns reading the record
+(``recorded``), checking that a replay job names a generation of the branch
+(``replay_problem``) and keeping the report under its own key beside the observation
+(``keep``), the only write of a replay.
 
 What is compared, in order: the physics (the record's against the lineage's pinned
 ones, narrowed by the recorded budget), the model calls (the replay provider's divergences,
@@ -34,7 +36,7 @@ from pydantic import ValidationError
 
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import Entry, LineageCache
-from worker.instrument.job import GenerationJob
+from worker.instrument.job import GenerationJob, ReplayJob
 from worker.instrument.model.catalogue import model_of
 from worker.instrument.model.prices import resolve_prices
 from worker.instrument.model.replayed import ReplayProvider, reached_vendor
@@ -48,7 +50,7 @@ from worker.instrument.records import (
     ReplayVerdict,
 )
 from worker.instrument.store import ObservationStore
-from worker.instrument.store_keys import replay_key
+from worker.instrument.store_keys import generation_key, replay_key
 
 # Deaths whose moment is the host's timing, matched by outcome alone.
 TIMED_DEATHS = frozenset({"wall_timeout", "cgroup_oom"})
@@ -161,6 +163,46 @@ def generation_commits(cache: LineageCache, head: str) -> dict[int, str]:
         if number is not None:
             found.setdefault(number, str(commit.id))
     return found
+
+
+def replay_problem(cache: LineageCache, head: str, job: ReplayJob) -> str | None:
+    """Why ``job`` names no generation of the branch at ``head``, or None: its commit must
+    be on the branch and be that generation's (a message is anyone's)."""
+    try:
+        on_branch = cache.is_ancestor(job.commit, head)
+        subject = str(cache.repo[job.commit].peel(pygit2.Commit).message).split("\n", 1)[0]
+    except (KeyError, ValueError, pygit2.GitError):
+        return f"commit {job.commit[:12]} is not in the repository"
+    if not on_branch:
+        return f"commit {job.commit[:12]} is not on the branch of {job.lineage}"
+    if generation_number(subject) != job.generation:
+        return f"commit {job.commit[:12]} is not generation {job.generation}"
+    return None
+
+
+def recorded(store: ObservationStore, lineage: str, generation: int) -> Observation | None:
+    """The generation's stored observation; None without one, one that does not read, or
+    one of another generation (whose report would land under that one's key)."""
+    raw = store.get(generation_key(lineage, generation))
+    try:
+        observation = Observation.model_validate_json(raw) if raw is not None else None
+    except ValidationError:
+        return None
+    if observation is None or (observation.lineage, observation.generation) != (
+        lineage,
+        generation,
+    ):
+        return None
+    return observation
+
+
+def latest(store: ObservationStore, lineage: str, generation: int) -> ReplayReport | None:
+    """The generation's latest replay report, if one reads."""
+    raw = store.get(replay_key(lineage, generation))
+    try:
+        return ReplayReport.model_validate_json(raw) if raw is not None else None
+    except ValidationError:
+        return None
 
 
 def keep(store: ObservationStore, report: ReplayReport) -> None:
