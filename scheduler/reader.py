@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from scheduler.genealogy import Genealogy, children, descendants, genealogy
 from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
@@ -64,11 +64,12 @@ from worker.instrument.names import (
     ORGANISM_PATH,
     is_lineage_name,
 )
-from worker.instrument.records import IndexEntry, LineageIndex, Observation
+from worker.instrument.records import IndexEntry, LineageIndex, Observation, ReplayReport
 from worker.instrument.store import ObservationStore, open_store
-from worker.instrument.store_keys import generation_key, index_key
+from worker.instrument.store_keys import generation_key, index_key, replay_key
 
 DEFAULT_PER_PAGE = 50
+_Record = TypeVar("_Record", bound=BaseModel)
 MAX_PER_PAGE = 500
 CHART_POINTS = 300
 # Above this many changed lines in one comparison only organism.el's patch is shown:
@@ -276,6 +277,7 @@ class Reader:
             diff=self._diff(parent, commit.sha),
             observation=self._observation(name, commit),
             lethal_body=_text(lethal[:LETHAL_BODY_BYTES]) if lethal is not None else None,
+            replay=self._replay(name, commit),
         )
 
     def compare(self, name: str, a: int, b: int) -> CompareView:
@@ -319,15 +321,16 @@ class Reader:
         """The stored observation of generation ``number``, whatever commit it names (metrics)."""
         if not is_lineage_name(name):
             raise NotFound(f"no lineage named {name!r}")
-        raw = self.store.get(generation_key(name, number))
-        if raw is None:
-            return None
-        try:
-            return Observation.model_validate_json(raw)
-        except ValidationError:
-            return None
+        return _stored(self.store, generation_key(name, number), Observation)
 
     # -- internals ------------------------------------------------------------
+
+    def _replay(self, name: str, commit: Commit) -> ReplayReport | None:
+        """The latest replay report of this very commit, if one reads."""
+        assert commit.generation is not None
+        report = _stored(self.store, replay_key(name, commit.generation), ReplayReport)
+        # A replay of another commit with this number (a rewritten branch) is not this one's.
+        return report if report is not None and report.lineage_commit == commit.sha else None
 
     def _parent_url(self, history: History, heads: dict[str, str]) -> str | None:
         """The page of the exact commit a fork was seeded from, where this repository has it.
@@ -467,12 +470,8 @@ class Reader:
 
     def _observation(self, name: str, commit: Commit) -> Observation | None:
         assert commit.generation is not None
-        raw = self.store.get(generation_key(name, commit.generation))
-        if raw is None:
-            return None
-        try:
-            observation = Observation.model_validate_json(raw)
-        except ValidationError:
+        observation = _stored(self.store, generation_key(name, commit.generation), Observation)
+        if observation is None:
             return None
         # An observation of another commit with this number is not this generation's.
         return observation if observation.lineage_commit == commit.sha else None
@@ -604,6 +603,17 @@ def open_reader(settings: Settings) -> Reader:
             "is remote - run the browser on a host with a local copy"
         )
     return Reader(open_store(settings.observations_url, settings), local_path(url))
+
+
+def _stored(store: ObservationStore, key: str, shape: type[_Record]) -> _Record | None:
+    """The record at ``key``; None when there is none or it does not read as ``shape``."""
+    raw = store.get(key)
+    if raw is None:
+        return None
+    try:
+        return shape.model_validate_json(raw)
+    except ValidationError:
+        return None
 
 
 def parse_generation(text: str) -> int:

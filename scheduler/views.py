@@ -24,7 +24,7 @@ from scheduler.history import CommitKind, JournalEntry
 from scheduler.liveness import LiveWorker
 from worker.fleet.runs import Progress
 from worker.instrument.lineage import LineageMetadata, Parentage
-from worker.instrument.records import DEATHS, IndexEntry, Observation
+from worker.instrument.records import DEATHS, IndexEntry, Observation, ReplayReport
 
 LineageKind = Literal["fleet", "imported"]
 
@@ -150,6 +150,8 @@ class GenerationView(BaseModel):
     diff: list[FileDiff]
     observation: Observation | None
     lethal_body: str | None
+    # The latest replay of the generation (``schedule-lineage replay``), if any.
+    replay: ReplayReport | None = None
 
 
 class CompareView(BaseModel):

@@ -5,6 +5,8 @@ The work is ``scheduler.export``, ``scheduler.verify`` and ``scheduler.restore``
 here are the arguments and the words. ``verify`` prints each problem on a line of
 its own (``problem: ...``) on stderr and exits 1; an archive it cannot read at all
 is a refusal (exit 2), as is an ``import`` of an archive that does not verify.
+``verify --replay`` then imports the archive into a scratch fleet of its own and replays
+every generation there (``scheduler.replaying``), exiting 1 if one diverged.
 """
 
 from __future__ import annotations
@@ -59,7 +61,13 @@ def export_command(name: str, target: Path | None) -> None:
 
 @click.command("verify")
 @click.argument("archive", type=click.Path(path_type=Path, dir_okay=False))
-def verify_command(archive: Path) -> None:
+@click.option(
+    "--replay",
+    "replaying",
+    is_flag=True,
+    help="Then replay every generation from the archive alone, under this instrument.",
+)
+def verify_command(archive: Path, replaying: bool) -> None:
     """Check an archive alone: sums, nothing missing or extra, observations match commits."""
     with tempfile.TemporaryDirectory(prefix="ouroboros-verify-") as scratch:
         checked = check(archive, Path(scratch))
@@ -80,6 +88,31 @@ def verify_command(archive: Path) -> None:
     console.print(
         f"manifest sha256 {checked.manifest_sha256}", highlight=False, markup=False, soft_wrap=True
     )
+    if replaying and _replayed_diverged(archive, m.lineage):
+        sys.exit(1)
+
+
+def _replayed_diverged(archive: Path, lineage: str) -> bool:
+    """Replay every generation of the archive in a fleet of its own, made in a scratch
+    directory and discarded; whether one diverged. Only this host's sandbox settings
+    (ceiling, identities, prices) are this fleet's: the lineage, its records and the
+    replay reports stay in the scratch fleet."""
+    from scheduler.replaying import replay_lineage
+    from worker.fleet.assembly import build_pipeline
+
+    settings = load_settings()
+    with tempfile.TemporaryDirectory(prefix="ouroboros-verify-replay-") as scratch:
+        own = settings.model_copy(
+            update={
+                "home": Path(scratch),
+                "lineage_repo": "",
+                "observations": "",
+                "state_dir": None,
+            }
+        )
+        restore(archive, own.lineage_repo_url, observation_store(own))
+        pipeline = build_pipeline(own, cache_role="replay")
+        return bool(replay_lineage(pipeline, lineage, (None, None), console)["diverged"])
 
 
 @click.command("import")

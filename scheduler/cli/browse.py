@@ -213,6 +213,12 @@ def _print_generation(view: GenerationView) -> None:
             )
     else:
         facts.add_row("observation", "none recorded (imported lineage, or still pending)")
+    if view.replay is not None:
+        replay = view.replay
+        said = f": {replay.reason}" if replay.reason else ""
+        cause = f"; likely cause {replay.likely_cause}" if replay.likely_cause else ""
+        when = replay.replayed_at.isoformat(timespec="seconds")
+        facts.add_row("replay", plain(f"{replay.verdict} {when}{said}{cause}"))
     console.print(facts)
     if view.journal:
         console.rule("journal entry")

@@ -4,7 +4,8 @@ Owns the broker settings every Celery app of the fleet shares (JSON only, late a
 requeue on a lost pool child, prefetch 1, a visibility timeout above any life plus
 publication, connection retry, task events for Flower), the task and queue names
 with their bindings (each queue on a direct exchange of its own name), and
-``send_job`` with the job's place in its queue, where the transport keeps delivered
+``send_job`` with the job's place in its queue, ``send_replay`` (a replay job, on the
+same queue, holding no lease), where the transport keeps delivered
 messages (``unacked_keys``, for ``worker.fleet.orphans``): a job the reconciler recovers goes
 ahead of every job already queued, so a lineage a fault stopped does not also wait
 behind the queued work of every other lineage. A lost broker connection does not
@@ -30,10 +31,11 @@ from kombu import Exchange, Queue
 from worker.fleet.orphans import Unacked
 from worker.fleet.planner import Send
 from worker.fleet.settings import Settings
-from worker.instrument.job import GenerationJob
+from worker.instrument.job import GenerationJob, ReplayJob
 
 GENERATION_TASK = "ouroboros.generation"
 RECONCILE_TASK = "ouroboros.reconcile"
+REPLAY_TASK = "ouroboros.replay"
 CONTROL_QUEUE = "ouroboros.control"
 # A soft time limit leaves this much of the hard one to clean up.
 SOFT_LIMIT_MARGIN_SECONDS = 30
@@ -100,6 +102,18 @@ def sender(app: Celery) -> Send:
         )
 
     return send_job
+
+
+def send_replay(app: Celery, job: ReplayJob, queue: str, time_limit: int) -> None:
+    """One replay job onto its instrument's queue (never a lease, never a run's)."""
+    app.send_task(
+        REPLAY_TASK,
+        kwargs={"payload": job.model_dump(mode="json")},
+        queue=queue,
+        time_limit=time_limit,
+        soft_time_limit=time_limit - SOFT_LIMIT_MARGIN_SECONDS,
+        priority=QUEUED_PRIORITY,
+    )
 
 
 def unacked_keys(app: Celery) -> Unacked:

@@ -56,13 +56,19 @@ def model_throttle(settings: Settings, *, shared: bool) -> Throttle:
 
 
 def build_pipeline(
-    settings: Settings, ceiling: str | None = None, *, shared_cap: bool = False
+    settings: Settings,
+    ceiling: str | None = None,
+    *,
+    shared_cap: bool = False,
+    cache_role: str = "worker",
 ) -> Pipeline:
     """A ready pipeline; the ceiling preflight and the host's probes run here, before
     any generation.
 
     shared_cap: the model cap is the fleet's, in the broker's Redis (a worker of the
     fleet), rather than this process's own (``run --local``, which needs no broker).
+    cache_role: whose local cache of the shared repository it reads and writes objects
+    to (``replay`` keeps its own, so a replay adds nothing to a worker's).
     """
     # Imported here: readers build stores and caches from this module without loading
     # the sandbox, ceilings or model socket.
@@ -73,7 +79,7 @@ def build_pipeline(
     instrument = current()
     commit = instrument_commit(settings.instrument_commit)
     driver = select_ceiling(ceiling or settings.ceiling, settings.cgroup_parent)
-    store, cache = observation_store(settings), lineage_cache(settings)
+    store, cache = observation_store(settings), lineage_cache(settings, cache_role)
     spool = Spool(state_dir(settings) / "spool")
     throttle = model_throttle(settings, shared=shared_cap)
     # The host last, as the pipeline itself once probed it: a refusal about the store

@@ -66,6 +66,7 @@ from worker.fleet.app import (
     CONTROL_QUEUE,
     GENERATION_TASK,
     RECONCILE_TASK,
+    REPLAY_TASK,
     client_app,
     sender,
     serve,
@@ -79,8 +80,9 @@ from worker.fleet.settings import Settings
 from worker.fleet.transport import ScreeningAMQP
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
-from worker.instrument.job import GenerationJob, GenerationReport
+from worker.instrument.job import GenerationJob, GenerationReport, ReplayJob
 from worker.instrument.pipeline import Pipeline
+from worker.instrument.replay import keep, recorded, replay, replay_problem
 from worker.instrument.store import StoreUnavailable
 
 # A worker's sends (follow-ups, recoveries) wait out a broker restart as its Redis
@@ -128,7 +130,10 @@ class WorkerApp:
         serve(app, queue)
         app.conf.broker_transport_options = {
             **app.conf.broker_transport_options,
-            "task_queues": {queue: [GENERATION_TASK], CONTROL_QUEUE: [RECONCILE_TASK]},
+            "task_queues": {
+                queue: [GENERATION_TASK, REPLAY_TASK],
+                CONTROL_QUEUE: [RECONCILE_TASK],
+            },
         }
         return app
 
@@ -137,6 +142,11 @@ class WorkerApp:
         def generation(task: Task[..., str], payload: object = None) -> str:
             """Run one generation; then plan the lineage's next one."""
             return self.generation(task.request, payload)
+
+        @self.app.task(name=REPLAY_TASK)
+        def replay(payload: object = None) -> str:
+            """Replay one generation from its observation; keep its report."""
+            return self.replay(payload)
 
         @self.app.task(name=RECONCILE_TASK)
         def reconcile() -> list[str]:
@@ -182,6 +192,12 @@ class WorkerApp:
     @cached_property
     def pipeline(self) -> Pipeline:
         return build_pipeline(self.settings, shared_cap=True)
+
+    @cached_property
+    def replay_pipeline(self) -> Pipeline:
+        """A pool child's pipeline for replays, on a cache of the shared repository of its
+        own, so the objects a replay's judgement hashes never enter the generations'."""
+        return build_pipeline(self.settings, cache_role="replay")
 
     @cached_property
     def planner(self) -> Planner:
@@ -265,6 +281,31 @@ class WorkerApp:
         _after_landing(client, planner, job, report, request.hostname, queue)
         log.info("%s gen %d: %s %s", job.lineage, report.generation, report.outcome, report.commit)
         return report.outcome
+
+    def replay(self, payload: object) -> str:
+        """The replay task: check the job names a generation of the branch, replay it
+        from its observation, keep the report; the verdict. It holds no lease and
+        plans nothing: a replay never touches the lineage, its runs or its markers."""
+        try:
+            job = ReplayJob.model_validate(payload)
+        except ValidationError as exc:
+            log.error("rejected a replay job: %s", exc.errors()[0]["msg"])
+            return "rejected"
+        pipeline = self.replay_pipeline
+        try:
+            problem = replay_problem(pipeline.cache, pipeline.head(job.lineage), job)
+        except Refusal as exc:
+            problem = str(exc)
+        if problem is not None:
+            log.error("rejected the replay of %s gen %d: %s", job.lineage, job.generation, problem)
+            return "rejected"
+        observation = recorded(pipeline.store, job.lineage, job.generation)
+        if observation is None:
+            return "not replayable"
+        report = replay(pipeline, observation, job.commit)
+        keep(pipeline.store, report)
+        log.info("%s gen %d: replay %s", job.lineage, job.generation, report.verdict)
+        return report.verdict
 
     def preflight(self, **_: object) -> None:
         """Refuse to start without a working ceiling; finish publications a crash left;

@@ -45,6 +45,16 @@ class GenerationJob(BaseModel):
     prices: Prices | None = None
 
 
+class ReplayJob(BaseModel):
+    """The replay message: which generation of which lineage, at which commit of its branch."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lineage: LineageName
+    generation: int = Field(ge=1, le=999_999_999)
+    commit: str = Field(pattern=COMMIT_PATTERN)
+
+
 class GenerationReport(BaseModel):
     """What happened, for the caller (scheduler, CLI): never the source of truth."""
 

@@ -5,10 +5,12 @@ validate the lineage root, number the generation), live (prepare the private
 kernel directory, serve the model socket, run the life under the resource
 ceiling), judge (classify the outcome, decode the result or roll back), commit
 (journal entry in fixed words), observe (the trusted record) and publish (spool,
-compare-and-swap push, write-once observation). The Celery task and ``schedule-lineage run --local``
-both call ``Pipeline.run``; nothing else writes to a lineage. Its length (over 500
-lines) is that one job's: the phases share one ``Plan``, and much of it is the reasons
-for the rollback and the judging, kept beside the code they explain. The host's facts
+compare-and-swap push, write-once observation). The Celery task and
+``schedule-lineage run --local`` both call ``Pipeline.run``; nothing else writes to a
+lineage. ``Pipeline.relive``, the replay's entry, plans, lives and judges a generation
+again and writes nothing. Its length (over 500 lines) is that one job's: the phases
+share one ``Plan``, and much of it is the reasons for the rollback and the judging,
+kept beside the code they explain. The host's facts
 and the sandbox are given to it (``worker.instrument.host``), so it probes nothing.
 
 Trusts: the instrument it was built with, its settings, the shared repository and
@@ -113,6 +115,14 @@ class Verdict(NamedTuple):
     lineage_repo_bytes: int = 0
 
 
+class Relived(NamedTuple):
+    """A life lived again (``Pipeline.relive``): its plan, the life and its judgement."""
+
+    plan: Plan
+    life: Life
+    verdict: Verdict
+
+
 class Pipeline:
     """The per-process generation machinery; build once, run many jobs.
 
@@ -199,8 +209,29 @@ class Pipeline:
             )
         meta = root_metadata(self.cache, parent, job.lineage)
         check_continuable(meta, self.instrument, self.instrument_commit)
-        generation = 1 + self.cache.history(job.lineage, parent).generations
         provider = self.providers(job.provider, job.model, self.settings, job.prices)
+        return self._plan_on(job, parent, meta, provider)
+
+    def relive(self, job: GenerationJob, parent: str, provider: Provider) -> Relived:
+        """Live the generation after ``parent`` again and judge it, committing nothing.
+
+        The replay's entry (``worker.instrument.replay``): the same plan, life and
+        judgement as ``run``, on any commit of the lineage and with the provider given,
+        but no commit, observation, spool or push. The caller checks the instrument.
+        """
+        check_name(job.lineage)
+        meta = root_metadata(self.cache, parent, job.lineage)
+        plan = self._plan_on(job, parent, meta, provider)
+        life = self._live(plan)
+        with tempfile.TemporaryDirectory(prefix="ouroboros-replay-") as scratch:
+            verdict = self._judge(life.result, plan, Path(scratch))
+        return Relived(plan, life, verdict)
+
+    def _plan_on(
+        self, job: GenerationJob, parent: str, meta: LineageMetadata, provider: Provider
+    ) -> Plan:
+        """The plan of the generation after ``parent``: its number, tree and physics."""
+        generation = 1 + self.cache.history(job.lineage, parent).generations
         tree = self.cache.tree(parent)
         blobs: dict[str, bytes] = {}
         kept = self._journals.get(job.lineage)

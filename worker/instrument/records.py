@@ -278,3 +278,39 @@ def cap_stderr(raw: bytes) -> tuple[str, bool]:
         return raw.decode("utf-8", errors="replace"), False
     head = raw[:STDERR_CAP_BYTES].decode("utf-8", errors="replace")
     return head + STDERR_CUT_MARK, True
+
+
+ReplayVerdict = Literal["reproduced", "diverged", "not replayable"]
+# A replay's report keeps its diff and stderr excerpt short: it names a difference, it
+# is not a second record of the life.
+REPLAY_DETAIL_CHARS = 2000
+
+
+class ReplayReport(BaseModel):
+    """The latest replay of one generation: its verdict and what it rests on.
+
+    Written by ``schedule-lineage replay`` under its own key beside the observation
+    (``store_keys.replay_key``), overwritten by the next replay of the generation; it
+    never changes the observation, the lineage or anything else the life recorded.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    schema_name: Literal["ouroboros-replay/v1"] = Field("ouroboros-replay/v1", alias="schema")
+    lineage: str
+    generation: int = Field(ge=1)
+    # The commit the replay judged, the one the observation records.
+    lineage_commit: str
+    verdict: ReplayVerdict
+    # Why: the first difference for ``diverged``, the reason for ``not replayable``,
+    # None for ``reproduced``.
+    reason: str | None = None
+    # The first differing path's short diff, or the replayed life's last stderr.
+    detail: str | None = Field(None, max_length=REPLAY_DETAIL_CHARS)
+    # What the organism read that differs between lives, where stderr or the diff shows it.
+    likely_cause: str | None = None
+    recorded_outcome: Outcome
+    replayed_outcome: Outcome | None = None
+    instrument_fingerprint: str
+    replayed_at: datetime
+    duration_seconds: float = Field(ge=0)

@@ -7,6 +7,7 @@ Owns where each record lives under a store's prefix::
     lineages/<name>/index/000000.json           (derived: index segment 0, generations 1-256)
     lineages/<name>/index.json                  (derived: the whole index before segments)
     lineages/<name>/runs/<run-id>.json
+    lineages/<name>/replays/000001.json         (the latest replay of a generation, overwritten)
 
 Generation numbers are zero-padded so that a plain listing sorts them in order.
 Pure functions; the store validates every key before any backend sees it.
@@ -43,3 +44,12 @@ def runs_prefix(lineage: str) -> str:
 
 def run_key(lineage: str, run_id: str) -> str:
     return f"{runs_prefix(lineage)}{run_id}.json"
+
+
+def replays_prefix(lineage: str) -> str:
+    return f"{LINEAGES_PREFIX}{lineage}/replays/"
+
+
+def replay_key(lineage: str, generation: int) -> str:
+    """The latest replay report of a generation: overwritten, never part of the record."""
+    return f"{replays_prefix(lineage)}{generation:06d}.json"
