@@ -16,6 +16,11 @@ The base URL of every provider is the address its API's ``/v1/...`` paths hang
 from, given with or without that ``/v1``: ``https://api.anthropic.com`` and
 ``https://api.anthropic.com/v1`` both lead to ``https://api.anthropic.com/v1/messages``.
 
+Over 500 lines for that one job: four translations, each a request model, a reply
+model and its reading of the vendor's stop reasons and errors, side by side so that a
+reader compares them in one place; split per vendor, the shared failure rules would
+be copied four times.
+
 Trusts: the settings and base URLs it is given, and the usage figures a vendor
 reports (the ledger caps any charge at the reservation). Does not trust the shape
 of a vendor reply: each is validated by a pydantic model before use.
