@@ -99,6 +99,10 @@ COMMANDS: dict[str, Lazy] = {
         "scheduler.cli.broker:stop_redis",
         "Stop this home's embedded Redis now; its data is kept for its next start.",
     ),
+    "table": Lazy(
+        "scheduler.cli.table:table",
+        "Every observed generation of the lineages named, or of a cohort, as one table file.",
+    ),
     "serve": Lazy(
         "scheduler.cli.browse:serve_command",
         "Serve the read-only web UI and JSON API (no authentication: see docs/browsing.md).",
