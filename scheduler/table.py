@@ -29,6 +29,7 @@ from scheduler.legible import escape_for_json
 from scheduler.reader import Reader
 from worker.instrument.errors import Refusal
 from worker.instrument.lineage import LineageMetadata
+from worker.instrument.physics import Physics
 from worker.instrument.records import DEATHS, STOP_REASONS, Observation
 
 if TYPE_CHECKING:
@@ -61,6 +62,23 @@ def _stops(reason: str) -> Column:
         "int64",
         f"answered calls whose answer ended {reason}",
         lambda o, m: sum(call.stop_reason == reason for call in o.model_calls),
+    )
+
+
+def _physics(field: str) -> Column:
+    # Every pinned figure is an integer but the budget, a Decimal read as a double.
+    if field == "budget_usd":
+        return Column(
+            "physics_budget_usd",
+            "float64",
+            "pinned physics: budget_usd",
+            lambda o, m: float(o.constraints.budget_usd),
+        )
+    return Column(
+        f"physics_{field}",
+        "int64",
+        f"pinned physics: {field}",
+        lambda o, m: int(getattr(o.constraints, field)),
     )
 
 
@@ -215,30 +233,7 @@ COLUMNS: tuple[Column, ...] = (
         lambda o, m: o.provenance.syscall_filter,
     ),
     Column("attempt", "int64", "the task's delivery attempt", lambda o, m: o.provenance.attempt),
-    Column(
-        "wall_seconds",
-        "int64",
-        "pinned physics: wall seconds per life",
-        lambda o, m: o.constraints.wall_seconds,
-    ),
-    Column(
-        "cpu_seconds",
-        "int64",
-        "pinned physics: CPU seconds per life",
-        lambda o, m: o.constraints.cpu_seconds,
-    ),
-    Column(
-        "memory_max_bytes",
-        "int64",
-        "pinned physics: memory ceiling",
-        lambda o, m: o.constraints.memory_max_bytes,
-    ),
-    Column(
-        "budget_usd",
-        "float64",
-        "pinned physics: budget per generation",
-        lambda o, m: float(o.constraints.budget_usd),
-    ),
+    *(_physics(field) for field in Physics.model_fields),
 )
 
 
