@@ -33,16 +33,20 @@ from typing import NamedTuple
 
 from pydantic import ValidationError
 
+from scheduler.cohorts import in_cohort
 from scheduler.genealogy import Genealogy, children, descendants, genealogy
 from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
 from scheduler.readgit import ReadOnlyGit
 from scheduler.views import (
+    CohortRow,
+    CohortView,
     CommitView,
     CompareView,
     FamilyView,
     FileDiff,
     GenerationRow,
     GenerationView,
+    GridCell,
     JournalRow,
     LineageSummary,
     LineageView,
@@ -251,6 +255,32 @@ class Reader:
             rows=[_row(commit, index) for commit in window],
             series=index.series if index else [],
         )
+
+    def cohort(self, label: str) -> CohortView:
+        """Cohort ``label``'s lineages, each with its outcome in every generation."""
+        heads = self.heads()
+        metas = self.metadata(heads)
+        names = in_cohort(metas, label)
+        if not names:
+            raise NotFound(f"no cohort {label!r}")
+        rows = []
+        for name in names:
+            history = self._history(name, heads[name])
+            index = self._index(name)
+            numbered = {n: _row(commit, index) for n, commit in history.by_generation.items()}
+            cells = [
+                GridCell(
+                    generation=n, outcome=found.outcome, model_unavailable=found.model_unavailable
+                )
+                if (found := numbered.get(n))
+                else None
+                for n in range(1, max(numbered, default=0) + 1)
+            ]
+            rows.append(CohortRow(summary=self._summary(history, index, metas), cells=cells))
+        width = max(len(row.cells) for row in rows)
+        for row in rows:
+            row.cells += [None] * (width - len(row.cells))
+        return CohortView(label=label, generations=width, rows=rows)
 
     # -- generations ----------------------------------------------------------
 
@@ -540,6 +570,7 @@ class Reader:
             run=progress,
             parent=history.metadata.parent if history.metadata else None,
             children=[child.lineage for child in children(history.name, metas)],
+            cohort=history.metadata.cohort if history.metadata else None,
         )
 
     def _diff(self, old: str | None, new: str) -> list[FileDiff]:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from typing import get_args
 
 import pytest
 from pydantic import ValidationError
 from support.fleet import SMALL_PHYSICS, Fleet
 
+from scheduler.web.render import GRID_MARKS
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.physics import Physics
+from worker.instrument.records import Outcome
 
 HOSTILE_LABELS = ["Bad", "a b", "-lead", "../up", "x" * 64, "ex\u202ep", "e\u200bx", ""]
 
@@ -45,6 +48,11 @@ def root_meta(**extra: object) -> dict[str, object]:
         "physics": Physics().model_dump(mode="json"),
         **extra,
     }
+
+
+def test_every_outcome_has_a_letter_of_its_own_in_a_cohort_s_grid() -> None:
+    assert set(GRID_MARKS) == set(get_args(Outcome))
+    assert len(set(GRID_MARKS.values())) == len(GRID_MARKS)
 
 
 def test_a_root_written_before_cohorts_reads_and_writes_back_byte_for_byte() -> None:

@@ -262,7 +262,15 @@ def test_the_web_ui_serves_the_same_table_for_a_lineage_and_a_cohort(
     assert lineage.status_code == 200 and lineage.headers["content-type"].startswith("text/csv")
     (tmp_path / "outside.csv").write_bytes(lineage.content)
     check_rows(pd.read_csv(tmp_path / "outside.csv", dtype=TEXT), exported, {"outside"})
+    page = served.get("/cohorts/exp")
+    assert page.status_code == 200 and 'href="/cohorts/exp/table.parquet"' in page.text
+    # The grid follows the history (these observations name no commit of it), the table the store.
+    assert "No generation has lived yet" in page.text and "outside" not in page.text
+    overview = served.get("/?cohort=exp").text
+    assert 'href="/lineages/exp-2"' in overview and 'href="/lineages/outside"' not in overview
     for missing in (
+        "/cohorts/none",
+        "/cohorts/BAD",
         "/cohorts/none/table.csv",
         "/cohorts/BAD/table.csv",
         "/cohorts/exp/table.xlsx",

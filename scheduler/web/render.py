@@ -1,7 +1,7 @@
 """The Jinja2 environment of the web UI: autoescaping everywhere, display filters.
 
 Owns how values look on a page (sizes, seconds, money, commits, diff line classes,
-outcome badges, marked controls) and the guarantee that every template escapes what it
+outcome badges and a cohort grid's letters, marked controls) and the guarantee that every template escapes what it
 prints: autoescape is on for every template regardless of its file name, and the one
 filter here that returns markup, ``marked``, escapes the text itself first and adds
 only its own fixed marker element, so organism-made text is always inert.
@@ -101,6 +101,23 @@ def _badge(outcome: str) -> str:
     return "other"
 
 
+# The letter of each outcome in a cohort's grid (every Outcome has one; tests hold it so).
+GRID_MARKS: dict[str, str] = {
+    "changed": "c",
+    "no-change": "\u00b7",
+    "process_exit": "x",
+    "signal": "s",
+    "wall_timeout": "t",
+    "cgroup_oom": "m",
+    "decoder_rejection": "r",
+    "footprint_exceeded": "f",
+}
+
+
+def _grid_mark(outcome: str) -> str:
+    return GRID_MARKS.get(outcome, "?")
+
+
 def environment() -> Environment:
     env = Environment(
         loader=PackageLoader("scheduler.web", "templates"),
@@ -119,8 +136,10 @@ def environment() -> Environment:
         when=_when,
         diffclass=_diff_class,
         badge=_badge,
+        grid_mark=_grid_mark,
         marked=_marked,
     )
+    env.globals["grid_marks"] = GRID_MARKS
     env.tests["death"] = is_death
     env.globals["chart"] = chart
     return env
