@@ -110,6 +110,13 @@ class SeriesPoint(BaseModel):
     value: float
 
 
+class DeathMark(BaseModel):
+    """A generation that died, marked on every chart of its lineage."""
+
+    generation: int
+    outcome: str
+
+
 class Series(BaseModel):
     """One chart's data: at most a few hundred points, each the maximum of a bucket."""
 
@@ -118,6 +125,8 @@ class Series(BaseModel):
     unit: str
     bucket: int
     points: list[SeriesPoint]
+    # The lineage's deaths, each a marker linking to its generation's page.
+    deaths: list[DeathMark] = []
 
 
 class LineageView(BaseModel):

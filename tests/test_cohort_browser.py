@@ -76,4 +76,20 @@ def test_a_cohort_s_grid_leads_from_a_death_to_its_generation(cohort_page: Watch
     assert "process_exit" in page.locator("main").inner_text()
     assert "void-function gen-2" in page.content()
     watched.shot("death-generation")
+
+    # The lineage page charts the organism's size, files and cumulative spend, deaths marked.
+    page.goto(watched.base + "/lineages/rep-4")
+    captions = page.locator(".charts figcaption").all_inner_texts()
+    for title in ("Organism size (bytes)", "Files published (files)", "Cumulative spend (USD)"):
+        assert any(c.startswith(title) and c.endswith("red: 1 death") for c in captions), captions
+    organism = page.locator(".charts figure").filter(has_text="Organism size")
+    # Generations 1, 2, 4 and 5 grew the body by a line each; 3 died and kept it.
+    titles = organism.locator("circle title").all_text_contents()
+    assert [t.split(": ")[0] for t in titles] == [f"gen {n}" for n in range(1, 6)]
+    sizes = [float(t.split(": ")[1].split()[0]) for t in titles]
+    assert sizes[0] < sizes[1] == sizes[2] < sizes[3] < sizes[4]
+    watched.shot("lineage-charts")
+    organism.locator("a.death-mark").click()
+    page.wait_for_url("**/lineages/rep-4/generations/3")
+    assert "wall_timeout" in page.locator("main").inner_text()
     assert not watched.errors and not watched.dialogs and not watched.foreign

@@ -1,10 +1,11 @@
 """The Jinja2 environment of the web UI: autoescaping everywhere, display filters.
 
 Owns how values look on a page (sizes, seconds, money, commits, diff line classes,
-outcome badges and a cohort grid's letters, marked controls) and the guarantee that every template escapes what it
-prints: autoescape is on for every template regardless of its file name, and the one
-filter here that returns markup, ``marked``, escapes the text itself first and adds
-only its own fixed marker element, so organism-made text is always inert.
+outcome badges and a cohort grid's letters, marked controls) and the guarantee that
+every template escapes what it prints: autoescape is on for every template regardless
+of its file name, and the one filter here that returns markup, ``marked``, escapes the
+text itself first and adds only its own fixed marker element, so organism-made text is
+always inert.
 
 ``marked`` shows each C1 or bidi control (``legible``) in a diff or path as a visible
 marker titled with the code point and its name, as code hosts do: raw, a bidi override
