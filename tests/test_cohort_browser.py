@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import sync_playwright
 from support.browse import Served, settings_of
+from support.browser import Watched, watched_page
 from support.cohort import write_cohort
 from support.fleet import Fleet
-from test_browse_browser import CHROMIUM, CHROMIUM_ARGS, Watched
 
 pytestmark = pytest.mark.browser
 
@@ -31,14 +30,8 @@ def cohort_page(tmp_path: Path) -> Iterator[Watched]:
     fleet.ok("init", "stray")
     served = Served(fleet, tmp_path / "serve.log")
     try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
-                page.set_default_timeout(15_000)
-                yield Watched(page, served.url, tmp_path)
-            finally:
-                browser.close()
+        with watched_page(served.url, tmp_path) as watched:
+            yield watched
     finally:
         served.stop()
 

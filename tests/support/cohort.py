@@ -9,16 +9,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from support.browse import sample_observation
-from worker.fleet.assembly import lineage_cache, observation_store
-from worker.fleet.repo_admin import ensure_shared_repo
+from support.browse import create_test_lineage, sample_observation
 from worker.fleet.settings import Settings
 from worker.instrument import journal
-from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry
-from worker.instrument.lineage import create_lineage
 from worker.instrument.names import JOURNAL_PATH, ORGANISM_PATH
-from worker.instrument.physics import Physics
 from worker.instrument.records import DEATHS, IndexEntry, LineageIndex
 from worker.instrument.store_keys import generation_key, index_key
 
@@ -27,25 +22,9 @@ SEED = b";; seed\n"
 
 def write_cohort(settings: Settings, label: str, plans: dict[str, list[str]]) -> None:
     """Lineages ``plans`` (name -> the outcome of each generation) in cohort ``label``."""
-    ensure_shared_repo(settings.lineage_repo_url)
-    cache, store = lineage_cache(settings), observation_store(settings)
-    instrument = Instrument(
-        fingerprint="e" * 64, version="0.1.0", scripts={}, seed=SEED, sources={}
-    )
     start = datetime(2026, 4, 1, tzinfo=UTC)
     for name, outcomes in plans.items():
-        create_lineage(
-            name=name,
-            seed=SEED,
-            physics=Physics(),
-            instrument=instrument,
-            commit="a" * 40,
-            repository="tests",
-            ref="tests",
-            cache=cache,
-            store=store,
-            cohort=label,
-        )
+        cache, store = create_test_lineage(settings, name, SEED, label)
         head = cache.fetch(name)
         assert head is not None
         log, body, observations = b"", SEED, []
