@@ -116,7 +116,7 @@ def test_replicates_are_counted_from_one_to_a_thousand(fleet: Fleet) -> None:
 def test_cohort_groups_any_lineages_made_by_init_and_fork(fleet: Fleet) -> None:
     fleet.ok("init", "exp", "--replicates", "2", "--cohort", "trial")
     fleet.ok("init", "solo", "--cohort", "mixed")
-    fleet.ok("fork", "kid", "--from", "exp-1", "--cohort", "mixed")
+    assert "cohort: mixed" in fleet.ok("fork", "kid", "--from", "exp-1", "--cohort", "mixed").stdout
     fleet.ok("fork", "loner", "--from", "exp-2")
     assert sorted(statuses(fleet, "--cohort", "trial")) == ["exp-1", "exp-2"]
     mixed = statuses(fleet, "--cohort", "mixed")

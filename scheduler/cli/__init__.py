@@ -5,8 +5,8 @@ line on stderr with exit status 2 and no traceback; the work itself is done by t
 worker's pipeline and the scheduler's modules, never here.
 
 Each command lives in the module of its family (``lineages``, ``status``,
-``doctor``, ``browse``, ``archives``, ``repack``, ``broker``; what they share is in
-``common``) and that module is imported only when its command runs or its own help
+``doctor``, ``browse``, ``archives``, ``repack``, ``broker``, ``table``; what they
+share is in ``common``) and that module is imported only when its command runs or its own help
 is asked: the group below is click's "lazy loading subcommands" pattern, a name ->
 ``"module:attr"`` table. The table also holds each command's one-line help, so
 ``schedule-lineage --help`` lists every command without importing any of them (no

@@ -217,6 +217,8 @@ def fork(name: str, source_spec: str, cohort: str | None, **physics_options: obj
     meta = create(settings, name, seed.body, physics, seed.files, seed.parent, cohort)
     for line in describe_fork(meta, source):
         console.print(line, highlight=False, markup=False)
+    if meta.cohort:
+        console.print(f"cohort: {meta.cohort}", highlight=False, markup=False)
 
 
 @click.command()
