@@ -24,7 +24,7 @@ import hashlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -33,16 +33,21 @@ from typing import NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from scheduler.cohorts import in_cohort
 from scheduler.genealogy import Genealogy, children, descendants, genealogy
 from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
 from scheduler.readgit import ReadOnlyGit
 from scheduler.views import (
+    CohortRow,
+    CohortView,
     CommitView,
     CompareView,
+    DeathMark,
     FamilyView,
     FileDiff,
     GenerationRow,
     GenerationView,
+    GridCell,
     JournalRow,
     LineageSummary,
     LineageView,
@@ -143,6 +148,7 @@ class Reader:
         self._indexes: dict[str, IndexView] = {}
         self._index_parts: dict[str, tuple[bytes, list[IndexEntry]]] = {}
         self._warned: set[str] = set()
+        self._sizes: dict[str, float | None] = {}
 
     # -- lineages -------------------------------------------------------------
 
@@ -250,8 +256,34 @@ class Reader:
             parent_url=self._parent_url(history, heads),
             page=PageInfo(number=page, per_page=per_page, rows=len(history.commits), pages=pages),
             rows=[_row(commit, index) for commit in window],
-            series=index.series if index else [],
+            series=self._charts(history, index),
         )
+
+    def cohort(self, label: str) -> CohortView:
+        """Cohort ``label``'s lineages, each with its outcome in every generation."""
+        heads = self.heads()
+        metas = self.metadata(heads)
+        names = in_cohort(metas, label)
+        if not names:
+            raise NotFound(f"no cohort {label!r}")
+        rows = []
+        for name in names:
+            history = self._history(name, heads[name])
+            index = self._index(name)
+            numbered = {n: _row(commit, index) for n, commit in history.by_generation.items()}
+            cells = [
+                GridCell(
+                    generation=n, outcome=found.outcome, model_unavailable=found.model_unavailable
+                )
+                if (found := numbered.get(n))
+                else None
+                for n in range(1, max(numbered, default=0) + 1)
+            ]
+            rows.append(CohortRow(summary=self._summary(history, index, metas), cells=cells))
+        width = max(len(row.cells) for row in rows)
+        for row in rows:
+            row.cells += [None] * (width - len(row.cells))
+        return CohortView(label=label, generations=width, rows=rows)
 
     # -- generations ----------------------------------------------------------
 
@@ -416,6 +448,38 @@ class Reader:
             seed_sha256=hashlib.sha256(seed).hexdigest() if seed is not None else None,
         )
 
+    def _charts(self, history: History, index: IndexView | None) -> list[Series]:
+        """The index's series and the organism's size from git, each with the deaths marked."""
+        numbered = sorted(history.by_generation.items())
+        deaths = [
+            DeathMark(generation=n, outcome=outcome)
+            for n, commit in numbered
+            if is_death(outcome := _row(commit, index).outcome)
+        ]
+        sizes = self._organism_sizes([commit.sha for _, commit in numbered])
+        organism = _bucketed(
+            "organism",
+            "Organism size",
+            "bytes",
+            [(n, sizes.get(commit.sha)) for n, commit in numbered],
+        )
+        charts = [organism, *(index.series if index else [])]
+        return [series.model_copy(update={"deaths": deaths}) for series in charts if series.points]
+
+    def _organism_sizes(self, commits: list[str]) -> dict[str, float]:
+        """organism.el's size at each commit, asked of git once per commit (they never change)."""
+        unknown = [sha for sha in commits if sha not in self._sizes]
+        if unknown:
+            out = self.git.run(
+                "cat-file",
+                "--batch-check=%(objectsize)",
+                input="".join(f"{sha}:{ORGANISM_PATH}\n" for sha in unknown).encode(),
+            ).stdout.decode()
+            with self._lock:
+                for sha, line in zip(unknown, out.splitlines(), strict=True):
+                    self._sizes[sha] = float(line) if line.isdigit() else None
+        return {sha: size for sha in commits if (size := self._sizes.get(sha)) is not None}
+
     def _index(self, name: str) -> IndexView | None:
         """The lineage's index: its segments and any pre-segment index object, each
         parsed once per distinct content, the view rebuilt only when one changed.
@@ -539,6 +603,7 @@ class Reader:
             run=progress,
             parent=history.metadata.parent if history.metadata else None,
             children=[child.lineage for child in children(history.name, metas)],
+            cohort=history.metadata.cohort if history.metadata else None,
         )
 
     def _diff(self, old: str | None, new: str) -> list[FileDiff]:
@@ -651,8 +716,14 @@ def _progress(run: RunRecord, history: History, index: IndexView | None) -> Prog
 
 
 def _series(entries: list[IndexEntry]) -> list[Series]:
-    """Duration, peak memory and cost across generations, bucketed to CHART_POINTS."""
+    """Figures across generations from the index, bucketed to CHART_POINTS."""
+    spent = Decimal(0)
+    cumulative = []
+    for entry in entries:
+        spent += entry.spent_usd
+        cumulative.append((entry.generation, float(spent)))
     charts: list[tuple[str, str, str, Callable[[IndexEntry], float | None]]] = [
+        ("files", "Files published", "files", lambda e: e.published_files),
         ("duration", "Duration", "s", lambda e: e.duration_seconds),
         (
             "memory",
@@ -661,18 +732,27 @@ def _series(entries: list[IndexEntry]) -> list[Series]:
             lambda e: e.memory_peak_bytes / 2**20 if e.memory_peak_bytes is not None else None,
         ),
         ("cost", "Cost", "USD", lambda e: float(e.spent_usd)),
+        ("calls", "Model calls", "calls", lambda e: e.model_calls),
     ]
-    bucket = max(1, -(-len(entries) // CHART_POINTS))
-    series = []
-    for key, title, unit, value in charts:
-        points = []
-        for start in range(0, len(entries), bucket):
-            chunk = entries[start : start + bucket]
-            values = [v for v in map(value, chunk) if v is not None]
-            if values:
-                points.append(SeriesPoint(generation=chunk[0].generation, value=max(values)))
-        series.append(Series(key=key, title=title, unit=unit, bucket=bucket, points=points))
-    return series
+    series = [
+        _bucketed(key, title, unit, [(e.generation, value(e)) for e in entries])
+        for key, title, unit, value in charts
+    ]
+    return [_bucketed("spent", "Cumulative spend", "USD", cumulative), *series]
+
+
+def _bucketed(
+    key: str, title: str, unit: str, values: Sequence[tuple[int, float | None]]
+) -> Series:
+    """One series of (generation, value) pairs, each bucket's maximum, at most CHART_POINTS."""
+    bucket = max(1, -(-len(values) // CHART_POINTS))
+    points = []
+    for start in range(0, len(values), bucket):
+        chunk = values[start : start + bucket]
+        known = [value for _, value in chunk if value is not None]
+        if known:
+            points.append(SeriesPoint(generation=chunk[0][0], value=max(known)))
+    return Series(key=key, title=title, unit=unit, bucket=bucket, points=points)
 
 
 def _metadata(raw: bytes | None) -> LineageMetadata | None:

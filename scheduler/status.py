@@ -74,6 +74,8 @@ class LineageStatus(BaseModel):
     """
 
     lineage: str
+    # The cohort in the lineage's root metadata; None when it is in none.
+    cohort: str | None = None
     # The lineage's totals (git: generations; the store: deaths, spend, backlog).
     generation: int
     deaths: int | None
@@ -226,6 +228,7 @@ class FleetClient:
         )
         row = LineageStatus(
             lineage=lineage,
+            cohort=meta.cohort if meta else None,
             generation=generation,
             deaths=sum(e.outcome in DEATHS for e in index) if found is not None else None,
             lineage_spent_usd=sum((e.spent_usd for e in index), Decimal(0))

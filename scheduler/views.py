@@ -94,6 +94,8 @@ class LineageSummary(BaseModel):
     # The lineage it was forked from (None: a root) and the lineages forked from it.
     parent: Parentage | None = None
     children: list[str] = []
+    # The cohort in its root metadata (None: in none, or imported).
+    cohort: str | None = None
 
 
 class PageInfo(BaseModel):
@@ -108,6 +110,13 @@ class SeriesPoint(BaseModel):
     value: float
 
 
+class DeathMark(BaseModel):
+    """A generation that died, marked on every chart of its lineage."""
+
+    generation: int
+    outcome: str
+
+
 class Series(BaseModel):
     """One chart's data: at most a few hundred points, each the maximum of a bucket."""
 
@@ -116,6 +125,8 @@ class Series(BaseModel):
     unit: str
     bucket: int
     points: list[SeriesPoint]
+    # The lineage's deaths, each a marker linking to its generation's page.
+    deaths: list[DeathMark] = []
 
 
 class LineageView(BaseModel):
@@ -184,6 +195,28 @@ class QueueWait(BaseModel):
     elsewhere: list[LiveWorker]
     # What would serve it: the command that starts a worker, or where to run one.
     advice: str
+
+
+class GridCell(BaseModel):
+    """One generation of one lineage in a cohort's outcome grid."""
+
+    generation: int
+    outcome: str
+    model_unavailable: bool = False
+
+
+class CohortRow(BaseModel):
+    summary: LineageSummary
+    # Generation N is cells[N - 1]; None where the lineage has no generation N yet.
+    cells: list[GridCell | None]
+
+
+class CohortView(BaseModel):
+    """A cohort's lineages and their outcome grid (lineage x generation)."""
+
+    label: str
+    generations: int
+    rows: list[CohortRow]
 
 
 class Overview(BaseModel):

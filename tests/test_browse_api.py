@@ -94,7 +94,9 @@ def test_lineage_page_and_api_show_generations_and_unnumbered_commits(served: Se
         "seed",
     ]
     fleet_page = served.get("/lineages/xss").text
-    assert fleet_page.count("<svg") == 3 and "<polyline" in fleet_page
+    # Organism size, cumulative spend, files, duration, memory, cost, calls; the death marked.
+    assert fleet_page.count("<svg") == 7 and "<polyline" in fleet_page
+    assert fleet_page.count('<a href="/lineages/xss/generations/2" class="death-mark">') == 7
     assert "wall_seconds" in fleet_page
 
 

@@ -6,53 +6,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, sync_playwright
 from support.browse import PAYLOAD, Served, serve_sample_and_hostile
+from support.browser import Watched, watched_page
 from support.fleet import Fleet
 from support.legacy_lineage import FIXTURE_BACKTRACE
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-class Watched:
-    """A page whose console errors, script errors, dialogs and requests are recorded."""
-
-    def __init__(self, page: Page, base: str, shots: Path) -> None:
-        self.page, self.base, self.shots = page, base, shots
-        self.errors: list[str] = []
-        self.dialogs: list[str] = []
-        self.foreign: list[str] = []
-        page.on("console", self._console)
-        page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
-        page.on("dialog", self._dialog)
-        page.on("request", self._request)
-
-    def _console(self, message: ConsoleMessage) -> None:
-        if message.type == "error":
-            self.errors.append(f"console: {message.text}")
-
-    def _dialog(self, dialog: Dialog) -> None:
-        self.dialogs.append(dialog.message)
-        dialog.dismiss()
-
-    def _request(self, request: Request) -> None:
-        if not request.url.startswith((self.base, "data:")):
-            self.foreign.append(request.url)
-
-    def shot(self, name: str) -> None:
-        self.page.screenshot(path=str(self.shots / f"{name}.png"), full_page=True)
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +26,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture
 def browser_page(served: Served, tmp_path: Path) -> Iterator[Watched]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(15_000)
-            yield Watched(page, served.url, tmp_path)
-        finally:
-            browser.close()
+    with watched_page(served.url, tmp_path) as watched:
+        yield watched
 
 
 def test_walk_overview_lineage_generation_death_and_compare(

@@ -5,7 +5,7 @@ line on stderr with exit status 2 and no traceback; the work itself is done by t
 worker's pipeline and the scheduler's modules, never here.
 
 Each command lives in the module of its family (``lineages``, ``status``,
-``doctor``, ``browse``, ``archives``, ``repack``, ``broker``, ``replay``; what they
+``doctor``, ``browse``, ``archives``, ``repack``, ``broker``, ``replay``, ``table``; what they
 share is in ``common``) and that module is imported only when its command runs or its own help
 is asked: the group below is click's "lazy loading subcommands" pattern, a name ->
 ``"module:attr"`` table. The table also holds each command's one-line help, so
@@ -102,6 +102,10 @@ COMMANDS: dict[str, Lazy] = {
     "stop-redis": Lazy(
         "scheduler.cli.broker:stop_redis",
         "Stop this home's embedded Redis now; its data is kept for its next start.",
+    ),
+    "table": Lazy(
+        "scheduler.cli.table:table",
+        "Every observed generation of the lineages named, or of a cohort, as one table file.",
     ),
     "serve": Lazy(
         "scheduler.cli.browse:serve_command",

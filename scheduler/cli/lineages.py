@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from rich.text import Text
 
 from scheduler.cli.common import USD, load_settings
+from scheduler.cohorts import MAX_REPLICATES, members, replicate_names
 from scheduler.fork import describe as describe_fork
 from scheduler.fork import resolve, seed_of
 from scheduler.output import console, plain, warn
@@ -38,6 +39,8 @@ from worker.instrument.job import GenerationJob
 from worker.instrument.lineage import (
     LineageMetadata,
     Parentage,
+    check_cohort,
+    check_free,
     check_name,
     create_lineage,
     read_seed,
@@ -106,26 +109,59 @@ def physics_options(command: F) -> F:
     return command
 
 
+COHORT_OPTION = click.option(
+    "--cohort",
+    metavar="LABEL",
+    help="Record the new lineage(s) in cohort LABEL (a-z 0-9 . _ -).",
+)
+
+
 @click.command()
 @click.argument("name")
 @click.option("--seed", type=click.Path(path_type=Path), help="Seed organism (default: canonical).")
+@click.option(
+    "--replicates",
+    type=click.IntRange(1, MAX_REPLICATES),
+    help="Create K lineages NAME-1..NAME-K from one seed and physics, as cohort NAME.",
+)
+@COHORT_OPTION
 @physics_options
-def init(name: str, seed: Path | None, **physics_options: object) -> None:
-    """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics."""
+def init(
+    name: str,
+    seed: Path | None,
+    replicates: int | None,
+    cohort: str | None,
+    **physics_options: object,
+) -> None:
+    """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics.
+
+    With --replicates K, K lineages NAME-1..NAME-K of the same seed and physics,
+    recorded as one cohort (NAME unless --cohort says otherwise); none is created if
+    any of the names is taken.
+    """
     settings = load_settings()
     physics = physics_from(physics_options)
     check_name(name)
+    names = replicate_names(name, replicates) if replicates else [name]
+    label = check_cohort(cohort) if cohort else (name if replicates else None)
+    body = read_seed(seed) if seed else current().seed
     for made in require_places(settings, write=True, create=True):
         warn("note", made)
-    meta = create(settings, name, read_seed(seed) if seed else current().seed, physics)
-    console.print(
-        Text.assemble(
-            "created lineage ",
-            (meta.name, "bold"),
-            f" (branch lineage-{meta.name}) in {settings.lineage_repo_url}; "
-            f"instrument {meta.instrument_fingerprint[:12]}",
+    ensure_shared_repo(settings.lineage_repo_url)
+    cache, store = lineage_cache(settings, "scheduler"), observation_store(settings)
+    for each in names:
+        check_free(each, cache, store)
+    for each in names:
+        meta = create(settings, each, body, physics, cohort=label)
+        console.print(
+            Text.assemble(
+                "created lineage ",
+                (meta.name, "bold"),
+                f" (branch lineage-{meta.name}) in {settings.lineage_repo_url}; "
+                f"instrument {meta.instrument_fingerprint[:12]}",
+                f"; cohort {label}" if label else "",
+            )
         )
-    )
 
 
 def create(
@@ -135,6 +171,7 @@ def create(
     physics: Physics,
     files: dict[str, Entry] | None = None,
     parent: Parentage | None = None,
+    cohort: str | None = None,
 ) -> LineageMetadata:
     """A new lineage pinned to the instrument running here (``init`` and ``fork``)."""
     repository, ref = instrument_provenance()
@@ -151,6 +188,7 @@ def create(
         store=observation_store(settings),
         files=files,
         parent=parent,
+        cohort=cohort,
     )
 
 
@@ -163,23 +201,29 @@ def create(
     metavar="NAME[@GEN]",
     help="Lineage to fork; @N its generation N (0: the seed), @COMMIT any commit [head].",
 )
+@COHORT_OPTION
 @physics_options
-def fork(name: str, source_spec: str, **physics_options: object) -> None:
+def fork(name: str, source_spec: str, cohort: str | None, **physics_options: object) -> None:
     """Create lineage NAME seeded from a generation of another, under this instrument."""
     settings = load_settings()
     check_name(name)
+    if cohort:
+        check_cohort(cohort)
     require_places(settings, write=True)
     cache = lineage_cache(settings, "scheduler")
     source = resolve(cache, source_spec)
     physics = physics_from(physics_options, source.physics)
     seed = seed_of(cache, source, physics)
-    meta = create(settings, name, seed.body, physics, seed.files, seed.parent)
+    meta = create(settings, name, seed.body, physics, seed.files, seed.parent, cohort)
     for line in describe_fork(meta, source):
         console.print(line, highlight=False, markup=False)
+    if meta.cohort:
+        console.print(f"cohort: {meta.cohort}", highlight=False, markup=False)
 
 
 @click.command()
-@click.argument("names", nargs=-1, required=True)
+@click.argument("names", nargs=-1)
+@click.option("--cohort", metavar="LABEL", help="Run every lineage of cohort LABEL too.")
 @click.option(
     "--generations",
     type=click.IntRange(1, 1_000_000),
@@ -201,6 +245,7 @@ def fork(name: str, source_spec: str, **physics_options: object) -> None:
 @click.option("--wait", is_flag=True, help="Wait quietly until the runs stop.")
 def run(
     names: tuple[str, ...],
+    cohort: str | None,
     generations: int,
     local: bool,
     provider: str | None,
@@ -212,6 +257,10 @@ def run(
 ) -> None:
     """Run N more generations of each lineage NAME (on the fleet, or --local)."""
     settings = load_settings()
+    if cohort:
+        names = _with_cohort(settings, names, cohort)
+    elif not names:
+        raise Refusal("name the lineages to run (NAME...), or a cohort with --cohort LABEL")
     provider = provider or settings.model_provider
     # OUROBOROS_MODEL_NAME names the model of OUROBOROS_MODEL_PROVIDER, no other's.
     model = model or (settings.model_name if provider == settings.model_provider else None)
@@ -292,6 +341,16 @@ def run(
         console.print(plain(describe(status)), highlight=False)
     if any(status.blocked and not status.stopped for status in final):
         sys.exit(1)
+
+
+def _with_cohort(settings: Settings, names: tuple[str, ...], label: str) -> tuple[str, ...]:
+    """``names`` followed by every lineage of cohort ``label`` not among them."""
+    from scheduler.status import FleetClient
+
+    check_cohort(label)
+    require_places(settings, write=False)
+    cohort = members(FleetClient(settings, start_broker=False).metadata, label)
+    return (*names, *(name for name in cohort if name not in names))
 
 
 def run_local(

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 import click
 
 from scheduler.cli.common import emit, load_settings
+from scheduler.cohorts import members
 from scheduler.status import FleetClient, LineageStatus
-from worker.instrument.lineage import check_name
+from worker.instrument.lineage import check_cohort, check_name
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -40,8 +41,9 @@ UNKNOWN_PARTS = {
 
 @click.command()
 @click.argument("names", nargs=-1)
+@click.option("--cohort", metavar="LABEL", help="Show every lineage of cohort LABEL too.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(names: tuple[str, ...], as_json: bool) -> None:
+def status(names: tuple[str, ...], cohort: str | None, as_json: bool) -> None:
     """Where each lineage stands: target, done, in flight, last outcome, deaths, spend.
 
     A lineage whose run wants more but whose instrument queue no live worker serves
@@ -52,7 +54,13 @@ def status(names: tuple[str, ...], as_json: bool) -> None:
     settings = load_settings()
     for name in names:
         check_name(name)
-    rows = FleetClient(settings, start_broker=False).statuses(list(names) or None)
+    if cohort:
+        check_cohort(cohort)
+    fleet = FleetClient(settings, start_broker=False)
+    chosen = list(names)
+    if cohort:
+        chosen += [name for name in members(fleet.metadata, cohort) if name not in names]
+    rows = fleet.statuses(chosen or None)
     emit(rows, as_json, lambda: _table(rows))
     down = {source: line for row in rows for source, line in row.unavailable.items()}
     if down:
@@ -76,7 +84,9 @@ def _table(rows: list[LineageStatus]) -> Table:
 
     narrow = console.width < NARROW_COLUMNS
     columns = ["lineage", "gens", "deaths", "spent", "run", "run spent"]
-    columns += ["state"] if narrow else ["in flight", "last", "backlog", "state", "genealogy"]
+    columns += (
+        ["state"] if narrow else ["in flight", "last", "backlog", "state", "cohort", "genealogy"]
+    )
     table = Table(*columns)
     for column in table.columns:
         column.overflow = "fold"
@@ -106,6 +116,7 @@ def _table(rows: list[LineageStatus]) -> Table:
                 else UNKNOWN,
                 _known(row.observation_backlog, store),
                 _state(row, short=False),
+                row.cohort or "-",
                 row.genealogy.line,
             ]
         # Every cell holds what Redis, the store or git said: shown as written, never markup.

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.legible import escape_for_json
 from scheduler.reader import NotFound, Reader
-from scheduler.web import api, metrics, pages
+from scheduler.web import api, downloads, metrics, pages
 from scheduler.web.broker import BrokerReader
 from scheduler.web.probes import INTERVAL_SECONDS, Probe
 from scheduler.web.render import templates
@@ -95,6 +95,7 @@ def create_app(
     app.include_router(api.router)
     app.include_router(metrics.router)
     app.include_router(pages.router)
+    app.include_router(downloads.router)
 
     @app.middleware("http")
     async def security_headers(

@@ -1,8 +1,10 @@
 """Server-rendered line charts: geometry for an inline SVG, no script, no CDN.
 
 Owns turning one ``Series`` (already bucketed by the reader to a few hundred
-points) into plot coordinates and axis labels. The template draws them; every
-value here is a number computed from trusted figures, and labels are our own text.
+points) into plot coordinates, axis labels, a hover target per point and a marker per
+death (each a link to its generation's page, titled with the kind of death). The
+template draws them; every value here is a number computed from trusted figures, and
+labels are our own text or an outcome from the fixed vocabulary.
 """
 
 from __future__ import annotations
@@ -19,6 +21,23 @@ TOP = 12
 BOTTOM = 28
 
 
+class Dot(BaseModel):
+    """A point to hover: where it is drawn and what its title says."""
+
+    x: float
+    y: float
+    generation: int
+    label: str
+
+
+class Mark(BaseModel):
+    """A death's vertical marker."""
+
+    x: float
+    generation: int
+    outcome: str
+
+
 class Chart(BaseModel):
     key: str
     title: str
@@ -28,6 +47,8 @@ class Chart(BaseModel):
     first_generation: int
     last_generation: int
     top_label: str
+    dots: list[Dot]
+    deaths: list[Mark]
     width: int = WIDTH
     height: int = HEIGHT
     left: int = LEFT
@@ -40,15 +61,28 @@ def chart(series: Series) -> Chart | None:
     """Plot coordinates for one series; None when it has no point to draw."""
     if not series.points:
         return None
-    first, last = series.points[0].generation, series.points[-1].generation
+    generations = [p.generation for p in series.points] + [d.generation for d in series.deaths]
+    first, last = min(generations), max(generations)
     peak = max(point.value for point in series.points) or 1.0
     span = max(1, last - first)
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
-    coordinates = " ".join(
-        f"{LEFT + (p.generation - first) / span * plot_w:.1f},"
-        f"{TOP + plot_h - p.value / peak * plot_h:.1f}"
+
+    def x(generation: int) -> float:
+        return round(LEFT + (generation - first) / span * plot_w, 1)
+
+    dots = [
+        Dot(
+            x=x(p.generation),
+            y=round(TOP + plot_h - p.value / peak * plot_h, 1),
+            generation=p.generation,
+            label=_label(p.value, series.unit),
+        )
         for p in series.points
-    )
+    ]
+    coordinates = " ".join(f"{dot.x:.1f},{dot.y:.1f}" for dot in dots)
+    deaths = [
+        Mark(x=x(d.generation), generation=d.generation, outcome=d.outcome) for d in series.deaths
+    ]
     return Chart(
         key=series.key,
         title=series.title,
@@ -58,6 +92,8 @@ def chart(series: Series) -> Chart | None:
         first_generation=first,
         last_generation=last,
         top_label=_label(peak, series.unit),
+        dots=dots,
+        deaths=deaths,
     )
 
 

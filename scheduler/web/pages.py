@@ -1,4 +1,4 @@
-"""The HTML pages: overview, lineage, generation, compare and family views.
+"""The HTML pages: overview, lineage, generation, compare, family and cohort views.
 
 Owns which template each URL renders and with what; the data is the same view
 model the JSON API returns for the mirror URL. Templates escape everything.
@@ -17,8 +17,21 @@ router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
 
 
 @router.get("/")
-def fleet(request: Request) -> Response:
-    return templates.TemplateResponse(request, "overview.html", {"view": overview(request)})
+def fleet(request: Request, cohort: str = "") -> Response:
+    """The overview; ``?cohort=LABEL`` shows that cohort's lineages alone."""
+    view = overview(request)
+    cohorts = sorted({lineage.cohort for lineage in view.lineages if lineage.cohort})
+    if cohort:
+        shown = [lineage for lineage in view.lineages if lineage.cohort == cohort]
+        view = view.model_copy(update={"lineages": shown})
+    context = {"view": view, "cohorts": cohorts, "chosen": cohort}
+    return templates.TemplateResponse(request, "overview.html", context)
+
+
+@router.get("/cohorts/{label}")
+def cohort(request: Request, label: str) -> Response:
+    view = reader_of(request).cohort(label)
+    return templates.TemplateResponse(request, "cohort.html", {"view": view})
 
 
 @router.get("/lineages/{name}")

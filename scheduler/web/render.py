@@ -1,10 +1,11 @@
 """The Jinja2 environment of the web UI: autoescaping everywhere, display filters.
 
 Owns how values look on a page (sizes, seconds, money, commits, diff line classes,
-outcome badges, marked controls) and the guarantee that every template escapes what it
-prints: autoescape is on for every template regardless of its file name, and the one
-filter here that returns markup, ``marked``, escapes the text itself first and adds
-only its own fixed marker element, so organism-made text is always inert.
+outcome badges and a cohort grid's letters, marked controls) and the guarantee that
+every template escapes what it prints: autoescape is on for every template regardless
+of its file name, and the one filter here that returns markup, ``marked``, escapes the
+text itself first and adds only its own fixed marker element, so organism-made text is
+always inert.
 
 ``marked`` shows each C1 or bidi control (``legible``) in a diff or path as a visible
 marker titled with the code point and its name, as code hosts do: raw, a bidi override
@@ -101,6 +102,23 @@ def _badge(outcome: str) -> str:
     return "other"
 
 
+# The letter of each outcome in a cohort's grid (every Outcome has one; tests hold it so).
+GRID_MARKS: dict[str, str] = {
+    "changed": "c",
+    "no-change": "\u00b7",
+    "process_exit": "x",
+    "signal": "s",
+    "wall_timeout": "t",
+    "cgroup_oom": "m",
+    "decoder_rejection": "r",
+    "footprint_exceeded": "f",
+}
+
+
+def _grid_mark(outcome: str) -> str:
+    return GRID_MARKS.get(outcome, "?")
+
+
 def environment() -> Environment:
     env = Environment(
         loader=PackageLoader("scheduler.web", "templates"),
@@ -119,8 +137,10 @@ def environment() -> Environment:
         when=_when,
         diffclass=_diff_class,
         badge=_badge,
+        grid_mark=_grid_mark,
         marked=_marked,
     )
+    env.globals["grid_marks"] = GRID_MARKS
     env.tests["death"] = is_death
     env.globals["chart"] = chart
     return env

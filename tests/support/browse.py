@@ -29,7 +29,7 @@ from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
 from worker.instrument import journal
 from worker.instrument.fingerprint import Instrument
-from worker.instrument.gitrepo import Entry
+from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.lineage import create_lineage
 from worker.instrument.names import JOURNAL_PATH, ORGANISM_PATH
 from worker.instrument.physics import Physics
@@ -42,6 +42,7 @@ from worker.instrument.records import (
     Observation,
     Provenance,
 )
+from worker.instrument.store import ObservationStore
 from worker.instrument.store_keys import generation_key, index_key
 
 # Markup an unescaped page would run or render: a script, an event handler, a tag.
@@ -69,16 +70,13 @@ def import_fixture(fleet: Fleet, name: str = "sample") -> None:
     fleet.ok("import-bundle", str(sample_bundle(fleet.home)), name)
 
 
-def write_hostile_lineage(settings: Settings, name: str = "xss", payload: str = PAYLOAD) -> None:
-    """A fleet lineage whose every organism-made field carries ``payload``.
-
-    gen 1 changed (hostile file name and diff), an out-of-loop commit with a hostile
-    subject, gen 2 died with hostile stderr lines; both observed with hostile
-    stderr, prompts, responses and errors.
-    """
+def create_test_lineage(
+    settings: Settings, name: str, seed: bytes, cohort: str | None = None
+) -> tuple[LineageCache, ObservationStore]:
+    """Lineage ``name`` seeded with ``seed`` under a test instrument, in ``cohort`` if given;
+    the cache and the store it was written with."""
     ensure_shared_repo(settings.lineage_repo_url)
     cache, store = lineage_cache(settings), observation_store(settings)
-    seed = f";; seed {payload}\n".encode()
     instrument = Instrument(
         fingerprint="e" * 64, version="0.1.0", scripts={}, seed=seed, sources={}
     )
@@ -92,7 +90,19 @@ def write_hostile_lineage(settings: Settings, name: str = "xss", payload: str = 
         ref="tests",
         cache=cache,
         store=store,
+        cohort=cohort,
     )
+    return cache, store
+
+
+def write_hostile_lineage(settings: Settings, name: str = "xss", payload: str = PAYLOAD) -> None:
+    """A fleet lineage whose every organism-made field carries ``payload``.
+
+    gen 1 changed (hostile file name and diff), an out-of-loop commit with a hostile
+    subject, gen 2 died with hostile stderr lines; both observed with hostile
+    stderr, prompts, responses and errors.
+    """
+    cache, store = create_test_lineage(settings, name, f";; seed {payload}\n".encode())
     head = cache.fetch(name)
     assert head is not None
     tree = cache.tree(head)
@@ -144,23 +154,7 @@ def write_hostile_lineage(settings: Settings, name: str = "xss", payload: str = 
 def write_unavailable_lineage(settings: Settings, name: str = "down") -> None:
     """A fleet lineage whose one generation is a no-change the model never answered: its
     two calls refused by the provider, the subject and the journal marked."""
-    ensure_shared_repo(settings.lineage_repo_url)
-    cache, store = lineage_cache(settings), observation_store(settings)
-    seed = b";; seed\n"
-    instrument = Instrument(
-        fingerprint="e" * 64, version="0.1.0", scripts={}, seed=seed, sources={}
-    )
-    create_lineage(
-        name=name,
-        seed=seed,
-        physics=Physics(),
-        instrument=instrument,
-        commit="a" * 40,
-        repository="tests",
-        ref="tests",
-        cache=cache,
-        store=store,
-    )
+    cache, store = create_test_lineage(settings, name, b";; seed\n")
     parent = cache.fetch(name)
     assert parent is not None
     when = datetime(2026, 3, 1, tzinfo=UTC)

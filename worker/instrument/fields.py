@@ -1,8 +1,8 @@
 """Pydantic field types built on the rules of ``worker.instrument.names``.
 
-Owns ``LineageName``: a lineage name in a model, validated by the one rule that
-``names.lineage_name_problem`` spells. Kept apart from ``names``, which the sandbox side
-imports with the standard library alone. Trusts nothing it validates.
+Owns ``LineageName`` and ``CohortLabel``: a lineage name and a cohort label in a model,
+each validated by the one rule ``names`` spells for it. Kept apart from ``names``,
+which the sandbox side imports with the standard library alone. Trusts nothing it validates.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator
 
-from worker.instrument.names import lineage_name_problem
+from worker.instrument.names import cohort_label_problem, lineage_name_problem
 
 
 def _lineage_name(name: str) -> str:
@@ -22,3 +22,13 @@ def _lineage_name(name: str) -> str:
 
 # A lineage name in a pydantic model: the same rule as ``lineage_name_problem``.
 LineageName = Annotated[str, AfterValidator(_lineage_name)]
+
+
+def _cohort_label(label: str) -> str:
+    if (problem := cohort_label_problem(label)) is not None:
+        raise ValueError(f"invalid cohort label: {problem}")
+    return label
+
+
+# A cohort label in a pydantic model: the same rule as ``cohort_label_problem``.
+CohortLabel = Annotated[str, AfterValidator(_cohort_label)]

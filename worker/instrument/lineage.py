@@ -25,7 +25,7 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from worker.instrument.errors import Refusal
-from worker.instrument.fields import LineageName
+from worker.instrument.fields import CohortLabel, LineageName
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.names import (
@@ -34,6 +34,7 @@ from worker.instrument.names import (
     KERNEL_OWNED,
     METADATA_PATH,
     ORGANISM_PATH,
+    cohort_label_problem,
     lineage_name_problem,
 )
 from worker.instrument.physics import Physics
@@ -78,6 +79,10 @@ class LineageMetadata(BaseModel):
     physics: Physics
     # None for a lineage seeded by init (and for every lineage made before forks existed).
     parent: Parentage | None = None
+    # The cohort the lineage was started in (replicates of one seed and physics, or any
+    # grouping chosen at init or fork); None for a lineage in none, and for every root
+    # written before cohorts existed.
+    cohort: CohortLabel | None = None
 
     def to_json(self) -> bytes:
         # Without the absent fields, so a root's metadata reads as it always did.
@@ -88,6 +93,25 @@ def check_name(name: str) -> str:
     if (problem := lineage_name_problem(name)) is not None:
         raise Refusal(f"invalid lineage name {name!r}: {problem}")
     return name
+
+
+def check_cohort(label: str) -> str:
+    if (problem := cohort_label_problem(label)) is not None:
+        raise Refusal(f"invalid cohort label {label!r}: {problem}")
+    return label
+
+
+def check_free(name: str, cache: LineageCache, store: ObservationStore) -> None:
+    """Refuse ``name`` unless it is valid and neither the repository nor the store has it."""
+    check_name(name)
+    if cache.fetch(name) is not None:
+        raise Refusal(f"lineage {name} already exists; choose another name")
+    if store.get(metadata_key(name)) is not None:
+        # Its write-once observations would shadow the new lineage's forever.
+        raise Refusal(
+            f"the observation store still holds records of an earlier lineage {name} "
+            f"({store.url}); choose another name"
+        )
 
 
 def parse_metadata(raw: bytes | None, lineage: str) -> LineageMetadata:
@@ -150,6 +174,7 @@ def create_lineage(
     store: ObservationStore,
     files: Mapping[str, Entry] | None = None,
     parent: Parentage | None = None,
+    cohort: str | None = None,
 ) -> LineageMetadata:
     """Create ``lineage-NAME`` with its seed commit, then its metadata object.
 
@@ -157,15 +182,9 @@ def create_lineage(
     ``files`` (a fork's other files, already in the cache; the kernel's own paths and
     organism.el among them are ignored).
     """
-    check_name(name)
-    if cache.fetch(name) is not None:
-        raise Refusal(f"lineage {name} already exists; choose another name")
-    if store.get(metadata_key(name)) is not None:
-        # Its write-once observations would shadow the new lineage's forever.
-        raise Refusal(
-            f"the observation store still holds records of an earlier lineage {name} "
-            f"({store.url}); choose another name"
-        )
+    check_free(name, cache, store)
+    if cohort is not None:
+        check_cohort(cohort)
     meta = LineageMetadata(
         name=name,
         created_at=datetime.now(UTC),
@@ -177,6 +196,7 @@ def create_lineage(
         seed_sha256=hashlib.sha256(seed).hexdigest(),
         physics=physics,
         parent=parent,
+        cohort=cohort,
     )
     kept = {p: e for p, e in (files or {}).items() if p not in KERNEL_OWNED | {ORGANISM_PATH}}
     entries = {

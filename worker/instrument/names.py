@@ -57,6 +57,14 @@ def lineage_name_problem(name: str) -> str | None:
     return None
 
 
+def cohort_label_problem(label: str) -> str | None:
+    """Why ``label`` cannot name a cohort, or None if it can: a lineage name's characters,
+    so a label is as safe in a URL, a file name and a terminal as a lineage name is."""
+    if not _LINEAGE_NAME.fullmatch(label):
+        return "use 1-63 characters from a-z 0-9 . _ -, starting with a letter or digit"
+    return None
+
+
 def is_lineage_name(name: str) -> bool:
     return lineage_name_problem(name) is None
 

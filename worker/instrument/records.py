@@ -228,6 +228,8 @@ class IndexEntry(BaseModel):
     run_id: str | None
     run_budget_exhausted: bool = False
     model_unavailable: bool = False
+    # Files of the published tree; None in an entry indexed before it was kept here.
+    published_files: int | None = None
 
     @classmethod
     def of(cls, observation: Observation) -> IndexEntry:
@@ -245,6 +247,7 @@ class IndexEntry(BaseModel):
             run_id=observation.run_id,
             run_budget_exhausted=observation.run_budget_exhausted,
             model_unavailable=observation.model_unavailable,
+            published_files=observation.published_files,
         )
 
 
