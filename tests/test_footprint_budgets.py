@@ -24,6 +24,7 @@ from support.lives import make_lineage, push_hand_commit, run_one
 from support.model import CONTEXT, DoubleProvider, request
 
 from worker.instrument import growth
+from worker.instrument.decoder import TreeEntry
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.model import limits
 from worker.instrument.model.server import ModelSocket
@@ -225,6 +226,62 @@ def test_only_blobs_the_repository_lacks_count_and_each_once(tmp_path: Path) -> 
     assert growth.new_bytes(repo, [(held, 4), (new, 5000), (new, 5000)]) == (
         growth.object_bytes(5000)
     )
+
+
+def test_every_directory_counts_as_the_tree_git_writes_for_it(tmp_path: Path) -> None:
+    """The count hashes each directory as git does (its sha is the one git stores), so a
+    tree the repository holds is free and a new one counts."""
+    files = {"a/b/c.txt": b"one", "a/b.d": b"two", "a/x": b"three", "top.el": b"four"}
+    for path, data in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(data)
+    decoded = [
+        TreeEntry(path=p, kind="file", executable=p == "a/x", size=len(d), target=None)
+        for p, d in files.items()
+    ]
+    decoded.append(TreeEntry(path="a/b/l", kind="symlink", executable=False, size=3, target="../x"))
+    counted = dict(growth.tree_objects(decoded, tmp_path))
+    repo = pygit2.init_repository(str(tmp_path / "repo"), bare=True)
+    index = pygit2.Index()
+    for entry in decoded:
+        data = (entry.target or "").encode() if entry.kind == "symlink" else files[entry.path]
+        mode = 0o120000 if entry.kind == "symlink" else 0o100755 if entry.executable else 0o100644
+        index.add(pygit2.IndexEntry(entry.path, repo.create_blob(data), mode))
+    root = repo[index.write_tree(repo)].peel(pygit2.Tree)
+    a = root / "a"
+    subtrees = {str(a.id), str((a.peel(pygit2.Tree) / "b").id)}
+    assert subtrees <= counted.keys()  # the subtrees, as git wrote them; not the root
+    assert str(root.id) not in counted
+    assert growth.new_bytes(repo, counted.items()) == 0  # all held now
+
+
+@pytest.mark.bwrap
+@pytest.mark.cgroups
+@pytest.mark.root
+def test_a_tree_of_deep_unique_directories_counts_its_trees_and_dies_over_budget(
+    tmp_path: Path,
+) -> None:
+    """One one-byte file (the same blob each time) at the end of each of 100 chains of 15
+    unique 200-character directories: 1,500 trees, one 4 KiB blob (a hostile review saw
+    250 MB of trees pass a 128 KiB lineage budget)."""
+    fleet = Fleet(tmp_path)
+    make_lineage(fleet, "nester", GOOD, "--generation-repo-bytes", "1M")
+    lived = fleet.show("nester", ORGANISM_PATH)
+    nest = (
+        '(dotimes (i 100) (let ((dir (mapconcat (lambda (d) (format "%c%s%d-%d" ?d '
+        '(make-string 190 ?x) i d)) (number-sequence 1 15) "/"))) '
+        '(make-directory (concat "/work/" dir) t) '
+        '(with-temp-file (concat "/work/" dir "/f") (insert "x"))))\n'
+    )
+    push_hand_commit(fleet, "nester", {ORGANISM_PATH: lived + nest}, "external edit: nest")
+    before = objects_bytes(fleet.repo)
+
+    run_one(fleet, "nester")
+
+    observation = fleet.observation("nester", 1)
+    assert observation["outcome"] == "footprint_exceeded", observation["rejection_reason"]
+    assert "generation_repo_bytes budget 1048576" in str(observation["rejection_reason"])
+    assert objects_bytes(fleet.repo) - before < 1024**2
 
 
 def test_a_lineage_without_trailers_counts_from_zero_and_a_trailer_is_found_past_hand_commits(

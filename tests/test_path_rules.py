@@ -107,8 +107,25 @@ def test_a_name_not_in_nfc_is_refused_naming_the_name_it_would_read_as() -> None
     )
 
 
-def test_a_blank_look_alike_is_refused_naming_it() -> None:
-    assert tree_name_problem("\u2800.el".encode()) == "U+2800 BRAILLE PATTERN BLANK in the name"
+@pytest.mark.parametrize(
+    ("char", "named"),
+    [
+        ("\u2800", "U+2800 BRAILLE PATTERN BLANK"),
+        ("\U0001d159", "U+1D159 MUSICAL SYMBOL NULL NOTEHEAD"),
+        ("\u2215", "U+2215 DIVISION SLASH"),
+        ("\u2044", "U+2044 FRACTION SLASH"),
+        ("\uff0e", "U+FF0E FULLWIDTH FULL STOP"),
+        ("\u2024", "U+2024 ONE DOT LEADER"),
+        ("\ue000", "U+E000 private use character"),
+        ("\U0010fffd", "U+10FFFD private use character"),
+        ("\ufdd0", "U+FDD0 noncharacter or unassigned"),
+        ("\U0010ffff", "U+10FFFF noncharacter or unassigned"),
+    ],
+)
+def test_blank_and_path_look_alikes_private_use_and_noncharacters_are_refused(
+    char: str, named: str
+) -> None:
+    assert tree_name_problem(f"a{char}b.el".encode()) == f"{named} in the name"
 
 
 @pytest.mark.parametrize("char", ["\u3164", "\u115f", "\u034f", "\ufe00", "\u202e", "\x9b"])

@@ -91,6 +91,8 @@ def test_no_page_prints_them_raw(served: Served, path: str) -> None:
     answer = served.get(path)
     assert answer.status_code == 200, answer.text
     assert _raw(answer.text) == []
+    # Nor another character a reader cannot see: the hostile stderr's ESC, a ZWSP.
+    assert "\x1b" not in answer.text and "\u200b" not in answer.text
     if "generations" in path:
         assert "&lt;U+202E&gt;" in answer.text
 

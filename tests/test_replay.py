@@ -218,6 +218,36 @@ def test_an_organism_that_writes_the_time_diverges_and_the_clock_is_named(lived:
     assert "likely cause: the clock" in result.stdout
 
 
+def test_a_replayed_life_stores_none_of_its_objects_however_often_it_is_replayed(
+    tmp_path: Path,
+) -> None:
+    """A life that writes 2 MiB of random data: each replay judges a new tree, and not one
+    of its blobs lands in the shared repository or any cache (a hostile review saw every
+    replay of such a life add its blob to the shared repository)."""
+    fleet = Fleet(tmp_path)
+    noise = (
+        '(call-process "head" "/dev/urandom" (list :file "/work/noise.bin") nil "-c" "2097152")\n'
+    )
+    fleet.ok("init", "noisy", "--seed", str(seed_file(tmp_path, noise, "noisy.el")), *PHYSICS)
+    fleet.ok("run", "noisy", "--local", "--generations", "1")
+    assert fleet.observation("noisy", 1)["outcome"] == "changed"
+
+    def objects() -> list[str]:
+        found = fleet.git("rev-list", "--objects", "--all", "--reflog")
+        loose = sorted(p.name for p in (fleet.repo / "objects").rglob("*") if p.is_file())
+        return [found, *loose]
+
+    before = objects()
+    for _ in range(3):
+        result = fleet.cli("replay", "noisy@1")
+        assert result.returncode == 1 and "tree: noise.bin differs" in result.stdout, result.stdout
+    assert objects() == before
+    assert fleet.git("fsck", "--unreachable", "--no-reflogs").strip() == ""
+    caches = fleet.home / "state" / "cache"
+    replay_cache = sum(p.stat().st_size for p in (caches / "replay").rglob("*") if p.is_file())
+    assert replay_cache < 1024**2
+
+
 def test_a_call_whose_text_was_omitted_is_not_replayable(copy: Fleet) -> None:
     def omit(data: dict[str, list[dict[str, object]]]) -> None:
         data["model_calls"][0].update(text_omitted=True, prompt="", response=None)

@@ -113,6 +113,11 @@ call("socket_netlink_audit", 41, 16, 3, 9)
 call("socket_unix", 41, 1, 1, 0)
 call("socket_inet", 41, 2, 2, 0)
 call("socket_netlink_route", 41, 16, 3, 0)
+pair = ctypes.create_string_buffer(8)
+call("socketpair_vsock", 53, 40, 1, 0, ctypes.addressof(pair))
+call("socketpair_netlink", 53, 16, 3, 0, ctypes.addressof(pair))
+call("socketpair_unix_high_bits", 53, 1 | 1 << 32, 1, 0, ctypes.addressof(pair))
+call("socketpair_unix", 53, 1, 1, 0, ctypes.addressof(pair))
 call("ptrace", 101, 0, 0, 0, 0)
 call("process_vm_readv", 310, 1, 0, 0, 0, 0, 0)
 call("set_mempolicy", 238, 0, 0, 0)
@@ -134,6 +139,7 @@ KEPT = {
     "socket_unix",
     "socket_inet",
     "socket_netlink_route",
+    "socketpair_unix",
 }
 # What these calls do with no filter in the way: they would succeed, or fail for another
 # reason than EPERM; so an EPERM from them is the filter's.

@@ -12,8 +12,10 @@ marker titled with the code point and its name, as code hosts do: raw, a bidi ov
 in ``organism.el`` would make the diff a researcher reviews read otherwise than the code
 runs ("Trojan Source"). Everything else a page prints (stderr, prompts and responses,
 the lethal body, journal text, reasons) passes ``_visible``, the environment's
-``finalize``: each such control becomes the text ``<U+202E>``, escaped, which is inert
-in an attribute as well as in text.
+``finalize``: each such control, and every other character a reader cannot see (C0
+controls but tab, newline and carriage return; DEL; Unicode's invisible format
+characters: zero-width space, joiners, the byte-order mark...), becomes the text
+``<U+XXXX>``, escaped, which is inert in an attribute as well as in text.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def _diff_class(line: str) -> str:
     return "ctx"
 
 
+# What ``_visible`` shows by its code point: C0 but \t \n \r, DEL and C1, the bidi
+# controls (``legible.UNSAFE`` is inside this set) and the other invisible format characters.
+_INVISIBLE = re.compile(
+    "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]"
+)
 _MARKER = Markup('<span class="control" title="{title}">&lt;{code}&gt;</span>')
 _PIECES = re.compile(f"({UNSAFE.pattern})")
 
@@ -90,7 +98,7 @@ def _visible(value: object) -> object:
     if not isinstance(value, str):
         return value
     escaped = value if isinstance(value, Markup) else escape(value)
-    return Markup(UNSAFE.sub(lambda m: f"&lt;U+{ord(m.group()):04X}&gt;", escaped))
+    return Markup(_INVISIBLE.sub(lambda m: f"&lt;U+{ord(m.group()):04X}&gt;", escaped))
 
 
 def _badge(outcome: str) -> str:

@@ -25,9 +25,16 @@ if TYPE_CHECKING:
 
 
 def lineage_cache(settings: Settings, role: str = "worker") -> LineageCache:
-    """The local cache of the shared repository; each role keeps its own on a host."""
+    """The local cache of the shared repository; each role keeps its own on a host.
+
+    Replay's writes no object: what a replayed life made is hashed and judged, never
+    stored (a hostile review saw replays of a life writing random data add its blobs to
+    the shared repository on every replay).
+    """
     return LineageCache(
-        state_dir(settings) / "cache" / role / "lineages.git", settings.lineage_repo_url
+        state_dir(settings) / "cache" / role / "lineages.git",
+        settings.lineage_repo_url,
+        writes_objects=role != "replay",
     )
 
 

@@ -349,11 +349,19 @@ def copy_objects(source: pygit2.Repository, target: pygit2.Repository, tip: str)
 
 
 class LineageCache:
-    """The worker's local bare cache of the shared repository."""
+    """The worker's local bare cache of the shared repository.
 
-    def __init__(self, cache_dir: Path, remote_url: str) -> None:
+    ``writes_objects=False`` (replay's cache) hashes a judged tree's blobs without
+    storing them anywhere: a replay is judged, never published, so nothing it lived may
+    land in the shared repository or grow a host's disk, however often it is asked for.
+    The blobs it hashed are kept in memory for the judgement's line counts only.
+    """
+
+    def __init__(self, cache_dir: Path, remote_url: str, writes_objects: bool = True) -> None:
         self.git_dir = cache_dir
         self.remote_url = remote_url
+        self.writes_objects = writes_objects
+        self._unwritten: dict[str, bytes] = {}
         self._known: dict[str, Lineage] = {}
         if not (cache_dir / "HEAD").exists():
             cache_dir.mkdir(parents=True, exist_ok=True)
@@ -513,8 +521,15 @@ class LineageCache:
         return entries
 
     def cat_blobs(self, shas: Iterable[str]) -> dict[str, bytes]:
-        """Contents of many blobs."""
-        return {sha: self.repo.odb.read(sha)[1] for sha in dict.fromkeys(shas)}
+        """Contents of many blobs (those hashed and not stored included)."""
+        return {
+            sha: self._unwritten[sha] if sha in self._unwritten else self.repo.odb.read(sha)[1]
+            for sha in dict.fromkeys(shas)
+        }
+
+    def forget_unwritten(self) -> None:
+        """Drop the blobs a judgement hashed without storing (see the class docstring)."""
+        self._unwritten.clear()
 
     def blob_sizes(self, shas: Iterable[str]) -> dict[str, int]:
         """Sizes of the blobs that exist among ``shas``."""
@@ -620,7 +635,12 @@ class LineageCache:
             yield before or Entry("000000", "0" * 40), str(parent.id)
 
     def hash_bytes(self, data: bytes) -> str:
-        return str(self._objects().create_blob(data))
+        if self.writes_objects:
+            return str(self._objects().create_blob(data))
+        sha = str(pygit2.hash(data))
+        if sha not in self.repo:
+            self._unwritten[sha] = data
+        return sha
 
     def hash_files(self, paths: list[Path]) -> list[str]:
         """Write many files as blobs, in order."""
@@ -629,13 +649,18 @@ class LineageCache:
     def numstat(self, old_sha: str | None, new_sha: str | None) -> tuple[int, int]:
         """Lines added and deleted between two blobs (a missing side is empty; a binary
         blob counts no lines, as ``git diff --numstat`` has it)."""
-        old = self.repo[old_sha].peel(pygit2.Blob) if old_sha else None
-        new = self.repo[new_sha].peel(pygit2.Blob) if new_sha else None
-        patch = pygit2.Patch.create_from(old, new)
+        patch = pygit2.Patch.create_from(self._blob(old_sha), self._blob(new_sha))
         if patch.delta.is_binary:
             return 0, 0
         _, added, deleted = patch.line_stats
         return added, deleted
+
+    def _blob(self, sha: str | None) -> pygit2.Blob | bytes | None:
+        if sha is None:
+            return None
+        if sha in self._unwritten:
+            return self._unwritten[sha]
+        return self.repo[sha].peel(pygit2.Blob)
 
     def commit(self, parent: str | None, entries: Mapping[str, Entry], message: str) -> str:
         """Write a commit whose tree is exactly ``entries`` (no index, no work tree).

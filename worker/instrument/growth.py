@@ -1,14 +1,20 @@
 """What a generation adds to the shared repository, counted against its footprint budgets.
 
 Owns the count: a generation's growth is the objects of its published tree that the
-repository does not hold yet (each distinct blob once: the files' contents and the
-symlinks' targets), each counted as the most it can take on disk as a loose object,
+repository does not hold yet (each distinct object once: the files' contents, the
+symlinks' targets, and every directory below the root as a tree object, hashed as git
+would write it), each counted as the most it can take on disk as a loose object,
 the way git first writes it: zlib's ``compressBound`` of the object (its
 ``blob SIZE\\0`` header and its bytes), rounded up to a whole BLOCK_BYTES block of
 the file system. So incompressible data counts about its size and many small files
 count a block each, as they take; compressible text counts more than it takes, a
 margin on the safe side. The organism's objects are counted before any is written,
 so a generation over budget stores none of them.
+
+Trees count because one file at the end of a chain of unique directories makes a
+tree per directory: a hostile review put 250 MB of tree objects into the repository
+while blobs alone counted 4 KiB. The root tree is the kernel's (it holds the journal,
+new every generation) and is not counted, like the journal and the commit.
 
 A lineage's total is carried in the kernel's own commits: every generation's commit
 ends with a ``Repository-Bytes:`` trailer giving the lineage's total after it, and
@@ -25,6 +31,7 @@ decoder.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,14 +55,43 @@ def object_bytes(size: int) -> int:
     return -(-bound // BLOCK_BYTES) * BLOCK_BYTES
 
 
-def tree_blobs(decoded: Iterable[TreeEntry], root: Path) -> Iterator[tuple[str, int]]:
-    """The blobs (sha, size) of a tree decoded under ``root``, hashed, never written."""
+def _blob(entry: TreeEntry, root: Path) -> tuple[str, int]:
+    if entry.kind == "symlink":
+        target = (entry.target or "").encode()
+        return str(pygit2.hash(target)), len(target)
+    return str(pygit2.hashfile(str(root / entry.path))), entry.size
+
+
+def tree_objects(decoded: list[TreeEntry], root: Path) -> Iterator[tuple[str, int]]:
+    """Every object (sha, size) of a tree decoded under ``root`` but its root tree: the
+    blobs, then each directory's tree, deepest first, hashed as git writes them."""
+    folders: dict[str, dict[bytes, tuple[bytes, bytes]]] = {}
     for entry in decoded:
-        if entry.kind == "file":
-            yield str(pygit2.hashfile(str(root / entry.path))), entry.size
-        elif entry.kind == "symlink" and entry.target is not None:
-            target = entry.target.encode()
-            yield str(pygit2.hash(target)), len(target)
+        sha, size = _blob(entry, root)
+        yield sha, size
+        mode = (
+            b"120000" if entry.kind == "symlink" else b"100755" if entry.executable else b"100644"
+        )
+        *parents, name = entry.path.split("/")
+        folders.setdefault("/".join(parents), {})[name.encode()] = (mode, bytes.fromhex(sha))
+        for depth in range(len(parents)):
+            folders.setdefault("/".join(parents[:depth]), {})
+            folders.setdefault("/".join(parents[: depth + 1]), {})
+    for folder in sorted(folders, key=lambda f: -f.count("/") if f else 1):
+        if not folder:
+            continue
+        body = _tree_body(folders[folder])
+        sha = hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
+        *parents, name = folder.split("/")
+        folders["/".join(parents)][name.encode()] = (b"40000", bytes.fromhex(sha))
+        yield sha, len(body)
+
+
+def _tree_body(entries: dict[bytes, tuple[bytes, bytes]]) -> bytes:
+    """A tree object's content: its entries in git's order (a directory sorts as if its
+    name ended in '/')."""
+    order = sorted(entries, key=lambda n: n + b"/" if entries[n][0] == b"40000" else n)
+    return b"".join(entries[n][0] + b" " + n + b"\0" + entries[n][1] for n in order)
 
 
 def new_bytes(repo: pygit2.Repository, blobs: Iterable[tuple[str, int]]) -> int:

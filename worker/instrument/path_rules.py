@@ -5,7 +5,8 @@ Owns, as public functions so that every way into the shared repository applies t
 same rules (the decoder for a life's result, ``import-bundle`` and ``fork`` for trees
 made elsewhere): the legibility of a name or symlink target (no control character, no
 invisible formatting character, no line or paragraph separator, no default-ignorable
-code point, no space but U+0020, no blank look-alike, and in Unicode's composed form NFC
+code point, no space but U+0020, no private-use character or noncharacter, no blank
+look-alike or look-alike of '/' and '.', and in Unicode's composed form NFC
 so that one name has one spelling), git's own name rules (``.git``, ``.gitmodules`` and
 ``.gitattributes`` as git reads them on NTFS and HFS+, after any backslash too), the
 component rules (not empty, ``.`` or ``..``, at most NAME_MAX bytes), and git fsck's
@@ -83,9 +84,23 @@ ATTR_MAX_LINE_LENGTH = 2048
 # Invisible formatting characters and the line and paragraph separators: a name holding
 # one does not read as what it is. (Control characters, Cc, get a reason of their own.)
 _INVISIBLE_CATEGORIES = frozenset({"Cf", "Zl", "Zp"})
-# Letters and symbols that render as nothing and are no default-ignorable: a name of
-# them looks empty, or like its neighbour with a space.
-BLANK_LOOKALIKES = frozenset({"\u2800"})  # BRAILLE PATTERN BLANK
+# Letters and symbols that render as nothing and are no default-ignorable (a name of them
+# looks empty, or like its neighbour with a space), and look-alikes of the two characters
+# a path is read by, '/' and '.' ("a\u2215b" reads as a file b in a folder a).
+LOOKALIKES = frozenset(
+    {
+        "\u2800",  # BRAILLE PATTERN BLANK
+        "\U0001d159",  # MUSICAL SYMBOL NULL NOTEHEAD
+        "\U0001d15a",  # MUSICAL SYMBOL CLEF-8 (renders blank in common fonts)
+        "\u2044",  # FRACTION SLASH
+        "\u2215",  # DIVISION SLASH
+        "\u29f8",  # BIG SOLIDUS
+        "\uff0f",  # FULLWIDTH SOLIDUS
+        "\u2024",  # ONE DOT LEADER
+        "\ufe52",  # SMALL FULL STOP
+        "\uff0e",  # FULLWIDTH FULL STOP
+    }
+)
 # Unicode's Default_Ignorable_Code_Point, from DerivedCoreProperties.txt (Unicode 16.0):
 # first and last code point of each range. Most are Cf, refused as such already; the
 # rest render as nothing (U+034F COMBINING GRAPHEME JOINER, the Hangul fillers, the
@@ -146,13 +161,24 @@ def _illegible(ch: str) -> bool:
         category == "Cc"
         or category in _INVISIBLE_CATEGORIES
         or (category == "Zs" and ch != " ")
-        or ch in BLANK_LOOKALIKES
+        or category == "Co"  # private use: no reader knows what it shows
+        or _is_noncharacter(ch)
+        or ch in LOOKALIKES
         or is_default_ignorable(ch)
     )
 
 
+def _is_noncharacter(ch: str) -> bool:
+    """Unicode's 66 noncharacters (U+FDD0..U+FDEF and the last two of every plane)."""
+    code = ord(ch)
+    return 0xFDD0 <= code <= 0xFDEF or code & 0xFFFE == 0xFFFE
+
+
 def _unnamed(ch: str) -> str:
-    return "control character" if unicodedata.category(ch) == "Cc" else "unassigned"
+    category = unicodedata.category(ch)
+    if category == "Cc":
+        return "control character"
+    return "private use character" if category == "Co" else "noncharacter or unassigned"
 
 
 def shown(raw: bytes) -> str:

@@ -220,6 +220,7 @@ class Pipeline:
         but no commit, observation, spool or push. The caller checks the instrument.
         """
         check_name(job.lineage)
+        self.cache.forget_unwritten()
         meta = root_metadata(self.cache, parent, job.lineage)
         plan = self._plan_on(job, parent, meta, provider)
         life = self._live(plan)
@@ -504,7 +505,7 @@ class Pipeline:
         over either adds nothing to the shared repository.
         """
         physics = plan.physics
-        added = growth.new_bytes(self.cache.repo, growth.tree_blobs(decoded, root))
+        added = growth.new_bytes(self.cache.repo, growth.tree_objects(decoded, root))
         if added > physics.generation_repo_bytes:
             return "footprint_exceeded", (
                 f"the tree would add {added} bytes to the shared repository, more than "

@@ -151,10 +151,14 @@ def _personality_changes() -> tuple[Rule, ...]:
 
 
 def _socket_families() -> tuple[Rule, ...]:
-    """socket(2) of any family but AF_UNIX, AF_INET, AF_INET6 and NETLINK_ROUTE.
+    """socket(2) of any family but AF_UNIX, AF_INET, AF_INET6 and NETLINK_ROUTE, and
+    socketpair(2) of any but AF_UNIX.
 
     A life needs AF_UNIX for the model socket; AF_INET and AF_INET6 reach only its own
     empty network namespace; glibc's resolver asks NETLINK_ROUTE which addresses exist.
+    socketpair runs a family's create code as socket does (a hostile review reached
+    VSOCK's and netlink's that way, and on a modular kernel that loads their modules);
+    only AF_UNIX makes pairs.
     """
     kept = {AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6, AF_NETLINK}
     below = tuple(
@@ -168,7 +172,8 @@ def _socket_families() -> tuple[Rule, ...]:
         syscall="socket",
         when=(_low_32_is(0, AF_NETLINK), Condition(argument=2, op="ne", value=NETLINK_ROUTE)),
     )
-    return (*below, above, netlink)
+    pairs = Rule(syscall="socketpair", when=(Condition(argument=0, op="ne", value=AF_UNIX),))
+    return (*below, above, netlink, pairs)
 
 
 def _namespace_clones() -> tuple[Rule, ...]:
