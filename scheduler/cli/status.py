@@ -83,9 +83,13 @@ def _table(rows: list[LineageStatus]) -> Table:
     from scheduler.output import console, plain
 
     narrow = console.width < NARROW_COLUMNS
+    # A cohort column only where some lineage has one: otherwise it takes room and says "-".
+    cohorts = any(row.cohort for row in rows)
     columns = ["lineage", "gens", "deaths", "spent", "run", "run spent"]
     columns += (
-        ["state"] if narrow else ["in flight", "last", "backlog", "state", "cohort", "genealogy"]
+        ["state"]
+        if narrow
+        else ["in flight", "last", "backlog", "state", *(["cohort"] * cohorts), "genealogy"]
     )
     table = Table(*columns)
     for column in table.columns:
@@ -116,7 +120,7 @@ def _table(rows: list[LineageStatus]) -> Table:
                 else UNKNOWN,
                 _known(row.observation_backlog, store),
                 _state(row, short=False),
-                row.cohort or "-",
+                *([row.cohort or "-"] * cohorts),
                 row.genealogy.line,
             ]
         # Every cell holds what Redis, the store or git said: shown as written, never markup.
