@@ -113,11 +113,6 @@ call("socket_netlink_audit", 41, 16, 3, 9)
 call("socket_unix", 41, 1, 1, 0)
 call("socket_inet", 41, 2, 2, 0)
 call("socket_netlink_route", 41, 16, 3, 0)
-pair = ctypes.create_string_buffer(8)
-call("socketpair_vsock", 53, 40, 1, 0, ctypes.addressof(pair))
-call("socketpair_netlink", 53, 16, 3, 0, ctypes.addressof(pair))
-call("socketpair_unix_high_bits", 53, 1 | 1 << 32, 1, 0, ctypes.addressof(pair))
-call("socketpair_unix", 53, 1, 1, 0, ctypes.addressof(pair))
 call("ptrace", 101, 0, 0, 0, 0)
 call("process_vm_readv", 310, 1, 0, 0, 0, 0, 0)
 call("set_mempolicy", 238, 0, 0, 0)
@@ -129,6 +124,13 @@ code = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXE
 code.write(bytes.fromhex("b814000000cd80c3"))  # mov eax, 20 (i386 getpid); int 0x80; ret
 i386 = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(code)))()
 print("i386_getpid", "ok" if i386 >= 0 else errno.errorcode.get(-i386, str(-i386)))
+# Last: unfiltered, socketpair(AF_VSOCK) inside the sandbox ended the probe with SIGSEGV
+# on this kernel, which must not hide the calls above from the unfiltered comparison.
+pair = ctypes.create_string_buffer(8)
+call("socketpair_vsock", 53, 40, 1, 0, ctypes.addressof(pair))
+call("socketpair_netlink", 53, 16, 3, 0, ctypes.addressof(pair))
+call("socketpair_unix_high_bits", 53, 1 | 1 << 32, 1, 0, ctypes.addressof(pair))
+call("socketpair_unix", 53, 1, 1, 0, ctypes.addressof(pair))
 """
 # clone3 (so that libc falls back to clone) and calls newer than the filter's review
 # fail as calls the kernel lacks would.
