@@ -84,11 +84,10 @@ def outcome_of(generation: int) -> str:
     return "no-change" if generation % 3 == 0 else "changed"
 
 
-def build_history(repo: Path, generations: int) -> dict[int, tuple[str, str]]:
-    """The lineage branch through fast-import; generation -> (parent, commit)."""
-    subprocess.run(["git", "init", "--bare", "--quiet", str(repo)], check=True)
-    meta = LineageMetadata(
-        name=NAME,
+def bench_metadata(name: str, cohort: str | None = None) -> LineageMetadata:
+    """The root metadata of a synthetic lineage (this bench's and bench_cohorts')."""
+    return LineageMetadata(
+        name=name,
         created_at=START,
         instrument_fingerprint=FINGERPRINT,
         instrument_version="0.1.0",
@@ -97,7 +96,14 @@ def build_history(repo: Path, generations: int) -> dict[int, tuple[str, str]]:
         instrument_ref="bench",
         seed_sha256=hashlib.sha256(b"(seed)\n").hexdigest(),
         physics=Physics(),
+        cohort=cohort,
     )
+
+
+def build_history(repo: Path, generations: int) -> dict[int, tuple[str, str]]:
+    """The lineage branch through fast-import; generation -> (parent, commit)."""
+    subprocess.run(["git", "init", "--bare", "--quiet", str(repo)], check=True)
+    meta = bench_metadata(NAME)
     marks = repo / "marks"
     importer = subprocess.Popen(
         ["git", f"--git-dir={repo}", "fast-import", "--quiet", f"--export-marks={marks}"],

@@ -16,7 +16,6 @@ test: it prints figures, PASS or MISS, and exits 0 either way.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import subprocess
 import tempfile
@@ -26,15 +25,13 @@ from decimal import Decimal
 from pathlib import Path
 
 import httpx
-from bench_browse import FINGERPRINT, START, serve, timed
+from bench_browse import START, bench_metadata, serve, timed
 
 from scheduler.reader import Reader
 from scheduler.web.app import create_app
 from worker.fleet.settings import Settings
 from worker.instrument import journal
-from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import JOURNAL_PATH, METADATA_PATH, ORGANISM_PATH
-from worker.instrument.physics import Physics
 from worker.instrument.records import IndexEntry, LineageIndex
 from worker.instrument.store import open_store
 from worker.instrument.store_keys import index_segment_key, metadata_key
@@ -62,18 +59,7 @@ def build(repo: Path, store: Path, lineages: int, generations: int) -> None:
     generation_marks: dict[tuple[str, int], tuple[int, int]] = {}
     for number in range(lineages):
         name = f"c{number // REPLICATES}-{number % REPLICATES + 1}"
-        meta = LineageMetadata(
-            name=name,
-            created_at=START,
-            instrument_fingerprint=FINGERPRINT,
-            instrument_version="0.1.0",
-            instrument_commit="a" * 40,
-            instrument_repository="bench",
-            instrument_ref="bench",
-            seed_sha256=hashlib.sha256(b"(seed)\n").hexdigest(),
-            physics=Physics(),
-            cohort=f"c{number // REPLICATES}",
-        )
+        meta = bench_metadata(name, cohort=f"c{number // REPLICATES}")
         body = [f";; line {i}\n" for i in range(40)]
         files = {
             ORGANISM_PATH: "".join(body).encode(),
