@@ -20,6 +20,13 @@ import unicodedata
 BIDI_CONTROLS = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
 # What ``escape_*`` rewrite, and what the web UI marks.
 UNSAFE = re.compile(f"[\x80-\x9f{BIDI_CONTROLS}]")
+# What a web page shows by its code point (``<U+200B>``): UNSAFE, and every other
+# character a reader cannot see: C0 but tab, newline and carriage return, DEL, and
+# Unicode's invisible format characters (zero-width space, joiners, the byte-order mark).
+INVISIBLE = re.compile(
+    "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]"
+)
 
 
 def escape_for_terminal(text: str) -> str:

@@ -28,7 +28,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup, escape
 from starlette.templating import Jinja2Templates
 
-from scheduler.legible import UNSAFE, describe
+from scheduler.legible import INVISIBLE, UNSAFE, describe
 from scheduler.views import is_death
 from scheduler.web.charts import chart
 
@@ -69,12 +69,6 @@ def _diff_class(line: str) -> str:
     return "ctx"
 
 
-# What ``_visible`` shows by its code point: C0 but \t \n \r, DEL and C1, the bidi
-# controls (``legible.UNSAFE`` is inside this set) and the other invisible format characters.
-_INVISIBLE = re.compile(
-    "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f"
-    "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]"
-)
 _MARKER = Markup('<span class="control" title="{title}">&lt;{code}&gt;</span>')
 _PIECES = re.compile(f"({UNSAFE.pattern})")
 
@@ -98,7 +92,7 @@ def _visible(value: object) -> object:
     if not isinstance(value, str):
         return value
     escaped = value if isinstance(value, Markup) else escape(value)
-    return Markup(_INVISIBLE.sub(lambda m: f"&lt;U+{ord(m.group()):04X}&gt;", escaped))
+    return Markup(INVISIBLE.sub(lambda m: f"&lt;U+{ord(m.group()):04X}&gt;", escaped))
 
 
 def _badge(outcome: str) -> str:
