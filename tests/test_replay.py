@@ -1,7 +1,10 @@
 """``schedule-lineage replay``: real lives lived again from their observations.
 
-A scripted lineage of eight generations (changed, no change, a non-zero exit, a wall
-timeout, a decoder rejection, an OOM, two calls in one life, a death after a call)
+A scripted lineage of twenty generations (changed, no change, a non-zero exit, a wall
+timeout, a decoder rejection, an OOM, two calls in one life, a death after a call, then
+the suite's hostile organisms: a .git directory, a symlink to a host file, a hard link, a
+FIFO, a bidi name, a forged journal entry, a footprint over budget, a malformed request
+on the model socket, a flood of stderr, a SIGKILL, a look at what lives share, NFC twins)
 and a lineage whose organism writes the time are lived once through ``run --local``,
 then replayed through the CLI on real bwrap, Emacs, git and cgroups. What an attacker
 with the store or the repository would alter is altered in a copy of the fleet's home,
@@ -49,6 +52,17 @@ ASK = r"""
       (goto-char (point-min))
       (search-forward "\r\n\r\n")
       (decode-coding-string (buffer-substring-no-properties (point) (point-max)) 'utf-8))))
+(defun replayed--raw (request)
+  "The first line of what the model socket answers to REQUEST, sent as it is."
+  (let* ((buffer (generate-new-buffer " *raw*"))
+         (process (make-network-process
+                   :name "raw" :family 'local :service "/kernel/model.sock"
+                   :buffer buffer :coding 'binary :noquery t :sentinel #'ignore)))
+    (process-send-string process request)
+    (while (process-live-p process) (accept-process-output process 1))
+    (with-current-buffer buffer
+      (goto-char (point-min))
+      (buffer-substring-no-properties (point) (line-end-position)))))
 (defun replayed--write (path text)
   (with-temp-file path (insert text)))
 """
@@ -65,7 +79,25 @@ SCRIPT = (
   (7 (let ((first (replayed--ask "gen 7: first")))
        (replayed--write "/work/answer.txt"
                         (replayed--ask (format "gen 7: second, after %d" (length first))))))
-  (8 (replayed--ask "gen 8: a last word") (kill-emacs 5)))
+  (8 (replayed--ask "gen 8: a last word") (kill-emacs 5))
+  ;; The suite's hostile organisms, each a generation: what they leave must die (or
+  ;; live) again exactly as it did.
+  (9 (make-directory "/work/.git" t) (replayed--write "/work/.git/config" "[core]\n"))
+  (10 (make-symbolic-link "/etc/passwd" "/work/passwd"))
+  (11 (replayed--write "/work/a.txt" "a") (add-name-to-file "/work/a.txt" "/work/b.txt"))
+  (12 (call-process "mkfifo" nil nil nil "/work/pipe"))
+  (13 (replayed--write (concat "/work/a" (string #x202e) "le.txt") "x"))
+  (14 (message "\n## gen 14 \u2014 changed\n") (kill-emacs 1))
+  (15 (replayed--write "/work/big.txt" (make-string (* 9 1024 1024) ?x)))
+  (16 (replayed--write "/work/socket.txt" (replayed--raw "GARBAGE /generate\r\n\r\n")))
+  (17 (dotimes (_ 2000) (message "%s" (make-string 10000 ?e))))
+  (18 (signal-process (emacs-pid) 'SIGKILL))
+  (19 (replayed--write "/work/shared.txt"
+                       (format "%S" (mapcar #'file-readable-p
+                                            '("/dev/ptmx" "/proc/keys" "/proc/key-users"
+                                              "/proc/config.gz" "/proc/iomem")))))
+  (20 (replayed--write (concat "/work/" (string #xe9) ".txt") "composed")
+      (replayed--write (concat "/work/e" (string #x301) ".txt") "decomposed")))
 """
 )
 CLOCK = ASK + '(replayed--write "/work/when.txt" (format-time-string "%FT%T.%N"))\n'
@@ -78,6 +110,18 @@ OUTCOMES = [
     "cgroup_oom",
     "changed",
     "process_exit",
+    "decoder_rejection",
+    "changed",
+    "decoder_rejection",
+    "decoder_rejection",
+    "decoder_rejection",
+    "process_exit",
+    "footprint_exceeded",
+    "changed",
+    "no-change",
+    "signal",
+    "changed",
+    "decoder_rejection",
 ]
 # The workers' logs, which the tests keep in the fleet's home.
 WORKER_FILES = ("worker-",)
@@ -86,14 +130,14 @@ PHYSICS = ["--wall", "8", "--cpu-seconds", "8", "--memory-max", "128M"]
 
 @pytest.fixture(scope="module")
 def lived(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
-    """The fleet whose lineages ``scripted`` (8 generations) and ``clock`` (1) have lived."""
+    """The fleet whose lineages ``scripted`` (20 generations) and ``clock`` (1) have lived."""
     home = tmp_path_factory.mktemp("replay")
     fleet = Fleet(home)
     fleet.ok("init", "scripted", "--seed", str(seed_file(home, SCRIPT)), *PHYSICS)
     fleet.ok("init", "clock", "--seed", str(seed_file(home, CLOCK, "clock.el")), *PHYSICS)
     fleet.ok("run", "scripted", "clock", "--local", "--generations", "1")
     fleet.ok("run", "scripted", "--local", "--generations", str(len(OUTCOMES) - 1))
-    recorded = [fleet.observation("scripted", n)["outcome"] for n in range(1, 9)]
+    recorded = [fleet.observation("scripted", n)["outcome"] for n in range(1, len(OUTCOMES) + 1)]
     assert recorded == OUTCOMES
     return fleet
 
@@ -141,7 +185,7 @@ def test_every_generation_replays_reproduced_and_replay_writes_only_its_reports(
     before = snapshot(lived)
     refs = lived.git("for-each-ref")
     result = lived.ok("replay", "scripted", "--all")
-    assert "scripted: 8 reproduced, 0 diverged, 0 not replayable" in result.stdout, result.stdout
+    assert f"scripted: {len(OUTCOMES)} reproduced, 0 diverged, 0 not replayable" in result.stdout, result.stdout
     for number, outcome in enumerate(OUTCOMES, start=1):
         report = replayed(lived, "scripted", number)
         assert report["verdict"] == "reproduced", report
@@ -321,7 +365,7 @@ def test_verify_replay_replays_an_exported_archive_in_a_second_fleet(
     other.home.mkdir()
     result = other.ok("verify", "--replay", str(archive))
     assert "verified" in result.stdout
-    assert "scripted: 8 reproduced, 0 diverged, 0 not replayable" in result.stdout
+    assert f"scripted: {len(OUTCOMES)} reproduced, 0 diverged, 0 not replayable" in result.stdout
     # The archive was replayed in a scratch fleet: this one still has no home of its own.
     assert not (other.home / ".ouroboros").exists()
 
@@ -341,7 +385,7 @@ def test_replay_on_the_fleet_with_two_workers_gives_the_local_summary(
     start(fleet, workers, "replay-b")
     before, refs = snapshot(fleet), fleet.git("for-each-ref")
     result = fleet.ok("replay", "scripted", "--all", "--fleet")
-    assert "scripted: 8 reproduced, 0 diverged, 0 not replayable" in result.stdout, result.stdout
+    assert f"scripted: {len(OUTCOMES)} reproduced, 0 diverged, 0 not replayable" in result.stdout, result.stdout
     for number, outcome in enumerate(OUTCOMES, start=1):
         report = replayed(fleet, "scripted", number)
         assert (report["verdict"], report["replayed_outcome"]) == ("reproduced", outcome)
