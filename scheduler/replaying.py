@@ -7,8 +7,8 @@ in turn through ``worker.instrument.replay`` with a pipeline the command built
 (``build_pipeline(cache_role="replay")``), or on the fleet, one replay task per
 generation on the lineage's instrument's queue (``worker.fleet.app.send_replay``), its
 progress read from the reports as they land. Each generation gets a line as its
-report lands, and the request a summary. Nothing but the reports is written: no
-lease, run record or marker on the fleet either.
+report lands, a terminal a bar of how many have, and the request a summary. Nothing
+but the reports is written: no lease, run record or marker on the fleet either.
 
 Trusts the pipeline, the store and the broker; an observation that does not read is
 a generation that cannot be replayed, never an error.
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import NamedTuple
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from scheduler.output import plain
@@ -88,16 +91,19 @@ def replay_lineage(
         pipeline.cache, pipeline.store, head, name, span, pipeline.instrument.fingerprint
     )
     verdicts: Counter[str] = Counter()
-    for number in chosen.numbers:
-        observation = chosen.records[number]
-        if observation is None:
-            _unreadable(name, number, verdicts, out)
-            continue
-        out.print(f"{name} gen {number}: replaying ({observation.outcome})", highlight=False)
-        report = replay(pipeline, observation, chosen.commits[number])
-        keep(pipeline.store, report)
-        verdicts[report.verdict] += 1
-        _show(report, out)
+    with _progress(name, len(chosen.numbers), out) as landed:
+        for number in chosen.numbers:
+            observation = chosen.records[number]
+            if observation is None:
+                _unreadable(name, number, verdicts, out)
+                landed()
+                continue
+            out.print(f"{name} gen {number}: replaying ({observation.outcome})", highlight=False)
+            report = replay(pipeline, observation, chosen.commits[number])
+            keep(pipeline.store, report)
+            verdicts[report.verdict] += 1
+            _show(report, out)
+            landed()
     _summary(name, verdicts, out)
     return verdicts
 
@@ -137,28 +143,48 @@ def replay_on_fleet(
     # with its publication margin, the workers are not replaying these.
     stall = hard_time_limit(meta) + STALL_MARGIN_SECONDS
     landed_at = time.monotonic()
-    while pending:
-        for number in sorted(pending):
-            report = latest(store, name, number)
-            if report is None or report.replayed_at < started:
-                continue
-            if report.lineage_commit != chosen.commits[number]:
-                continue
-            pending.discard(number)
-            landed_at = time.monotonic()
-            verdicts[report.verdict] += 1
-            _show(report, out)
-        if pending and time.monotonic() - landed_at > stall:
-            out.print(
-                f"{name}: {len(pending)} replays reported nothing for {stall} s; "
-                "see the workers' logs",
-                highlight=False,
-            )
-            verdicts["unreported"] += len(pending)
-            break
-        time.sleep(POLL_SECONDS)
+    with _progress(name, len(pending), out) as landed:
+        while pending:
+            for number in sorted(pending):
+                report = latest(store, name, number)
+                if report is None or report.replayed_at < started:
+                    continue
+                if report.lineage_commit != chosen.commits[number]:
+                    continue
+                pending.discard(number)
+                landed_at = time.monotonic()
+                verdicts[report.verdict] += 1
+                _show(report, out)
+                landed()
+            if pending and time.monotonic() - landed_at > stall:
+                out.print(
+                    f"{name}: {len(pending)} replays reported nothing for {stall} s; "
+                    "see the workers' logs",
+                    highlight=False,
+                )
+                verdicts["unreported"] += len(pending)
+                break
+            time.sleep(POLL_SECONDS)
     _summary(name, verdicts, out)
     return verdicts
+
+
+@contextmanager
+def _progress(name: str, total: int, out: Console) -> Iterator[Callable[[], None]]:
+    """A bar of the generations replayed so far, below the lines of their verdicts, gone
+    when the replay ends; on a console that is no terminal it shows nothing, and the
+    lines and the summary carry everything. Yields what to call as each one lands."""
+    bar = Progress(
+        TextColumn(f"replaying {name}", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+    )
+    with bar if out.is_terminal else nullcontext():
+        task = bar.add_task("replayed", total=total)
+        yield lambda: bar.advance(task)
 
 
 def _unreadable(name: str, number: int, verdicts: Counter[str], out: Console) -> None:

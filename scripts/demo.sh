@@ -2,8 +2,9 @@
 # The main job on the embedded default: a private Redis on a Unix socket, a local
 # bare repository and a file observation store under $OUROBOROS_HOME; two worker
 # processes; three new lineages run for a few generations with the offline
-# `scripted` model stand-in while progress is shown; then their journals, where to
-# browse them, and a clean shutdown of everything it started.
+# `scripted` model stand-in while progress is shown; then their journals, every
+# generation replayed from its record, where to browse them, and a clean shutdown of
+# everything it started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +48,13 @@ for name in "${names[@]}"; do
   echo
   echo "=== journal of $name ==="
   "$bin/schedule-lineage" journal "$name"
+done
+
+# Every generation lived again from its record on the same workers: the claim each
+# record makes (this commit follows from that parent, those physics and those answers).
+echo
+for name in "${names[@]}"; do
+  "$bin/schedule-lineage" replay "$name" --all --fleet
 done
 
 cat <<INFO
