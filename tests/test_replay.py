@@ -123,6 +123,7 @@ OUTCOMES = [
     "changed",
     "decoder_rejection",
 ]
+EVERY_ONE_REPRODUCED = f"scripted: {len(OUTCOMES)} reproduced, 0 diverged, 0 not replayable"
 # The workers' logs, which the tests keep in the fleet's home.
 WORKER_FILES = ("worker-",)
 PHYSICS = ["--wall", "8", "--cpu-seconds", "8", "--memory-max", "128M"]
@@ -185,7 +186,7 @@ def test_every_generation_replays_reproduced_and_replay_writes_only_its_reports(
     before = snapshot(lived)
     refs = lived.git("for-each-ref")
     result = lived.ok("replay", "scripted", "--all")
-    assert f"scripted: {len(OUTCOMES)} reproduced, 0 diverged, 0 not replayable" in result.stdout, result.stdout
+    assert EVERY_ONE_REPRODUCED in result.stdout, result.stdout
     for number, outcome in enumerate(OUTCOMES, start=1):
         report = replayed(lived, "scripted", number)
         assert report["verdict"] == "reproduced", report
@@ -365,7 +366,7 @@ def test_verify_replay_replays_an_exported_archive_in_a_second_fleet(
     other.home.mkdir()
     result = other.ok("verify", "--replay", str(archive))
     assert "verified" in result.stdout
-    assert f"scripted: {len(OUTCOMES)} reproduced, 0 diverged, 0 not replayable" in result.stdout
+    assert EVERY_ONE_REPRODUCED in result.stdout
     # The archive was replayed in a scratch fleet: this one still has no home of its own.
     assert not (other.home / ".ouroboros").exists()
 
@@ -385,7 +386,7 @@ def test_replay_on_the_fleet_with_two_workers_gives_the_local_summary(
     start(fleet, workers, "replay-b")
     before, refs = snapshot(fleet), fleet.git("for-each-ref")
     result = fleet.ok("replay", "scripted", "--all", "--fleet")
-    assert f"scripted: {len(OUTCOMES)} reproduced, 0 diverged, 0 not replayable" in result.stdout, result.stdout
+    assert EVERY_ONE_REPRODUCED in result.stdout, result.stdout
     for number, outcome in enumerate(OUTCOMES, start=1):
         report = replayed(fleet, "scripted", number)
         assert (report["verdict"], report["replayed_outcome"]) == ("reproduced", outcome)
