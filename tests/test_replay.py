@@ -305,6 +305,21 @@ def test_a_call_whose_text_was_omitted_is_not_replayable(copy: Fleet) -> None:
     assert "omitted over the audit cap" in str(report["reason"])
 
 
+def test_a_record_older_than_the_attempts_of_its_calls_is_not_replayable(copy: Fleet) -> None:
+    """A record made before calls kept their attempts cannot say which calls reached the
+    model (and so which the replay provider must answer)."""
+
+    def age(data: dict[str, list[dict[str, object]]]) -> None:
+        data["model_calls"][0]["attempts"] = []
+
+    alter_observation(copy, "scripted", 1, age)
+    result = copy.ok("replay", "scripted@1")
+    assert "0 reproduced, 0 diverged, 1 not replayable" in result.stdout
+    report = replayed(copy, "scripted", 1)
+    assert report["verdict"] == "not replayable"
+    assert "older than the attempts of its calls" in str(report["reason"])
+
+
 def test_an_observation_of_another_generation_is_not_replayed_under_its_key(
     copy: Fleet,
 ) -> None:
