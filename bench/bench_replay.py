@@ -15,6 +15,10 @@ generation:
 Target: replay <= 1.5x run (a replay is a generation without its publication, plus
 the comparison); every round must say ``N reproduced``.
 
+It also prints, from the reports' own durations, a generation's replay early in the
+history against one late in it (the first tenth against the last), so that a cost that
+grows with the history shows at 1,000 generations.
+
 Run: ``.venv/bin/python bench/bench_replay.py [--generations 20 --rounds 3]`` from the
 repository root. A measurement, not a test: exits 0 whether the target is met or not.
 """
@@ -33,9 +37,9 @@ TARGET = 1.5
 LINEAGE = "replayed"
 
 
-def timed(fleet: BenchFleet, *args: str) -> tuple[float, str]:
+def timed(fleet: BenchFleet, *args: str, timeout: float) -> tuple[float, str]:
     started = time.monotonic()
-    done = fleet.cli(*args)
+    done = fleet.cli(*args, timeout=timeout)
     elapsed = time.monotonic() - started
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stdout[-800:]}")
@@ -52,7 +56,11 @@ def main() -> None:
     with BenchFleet("replay", keep=args.keep, with_redis=False) as fleet:
         fleet.activate()
         fleet.cli("init", LINEAGE, *SMALL_PHYSICS)
-        run_seconds, _ = timed(fleet, "run", LINEAGE, "--local", "--generations", str(n))
+        # Generous: a generation takes well under a second even on a loaded machine.
+        timeout = 60 + 5 * n
+        run_seconds, _ = timed(
+            fleet, "run", LINEAGE, "--local", "--generations", str(n), timeout=timeout
+        )
         lives = [
             json.loads(fleet.observation_path(LINEAGE, g).read_text())["duration_seconds"]
             for g in range(1, n + 1)
@@ -63,7 +71,7 @@ def main() -> None:
         print(f"{'#':>3} {'replay ms':>10} {'/lives':>7} {'/run':>6}   summary")
         replays: list[float] = []
         for i in range(args.rounds):
-            seconds, out = timed(fleet, "replay", LINEAGE, "--all")
+            seconds, out = timed(fleet, "replay", LINEAGE, "--all", timeout=timeout)
             summary = out.strip().splitlines()[-1]
             if f"{n} reproduced" not in summary:
                 raise RuntimeError(f"round {i + 1} did not reproduce every generation: {summary}")
@@ -73,6 +81,21 @@ def main() -> None:
                 f"{replays[-1] / run:6.2f}   {summary}",
                 flush=True,
             )
+        # Whether a generation's replay costs more late in a long history than early:
+        # each report's own duration (its life and judgement), first tenth against last.
+        reports = [
+            json.loads(
+                (fleet.observations / f"lineages/{LINEAGE}/replays/{g:06d}.json").read_text()
+            )["duration_seconds"]
+            for g in range(1, n + 1)
+        ]
+        tenth = max(1, n // 10)
+        early, late = median(reports[:tenth]), median(reports[-tenth:])
+        print(
+            f"one replay (its report's duration): generations 1-{tenth} median "
+            f"{early * 1000:.0f} ms, {n - tenth + 1}-{n} median {late * 1000:.0f} ms "
+            f"({late / early:.2f}x)"
+        )
         per = median(replays)
         print(f"replay per generation: median {per * 1000:.0f} ms {spread(replays)}")
         print(f"replay / lives: {per / life:.2f}x; replay / run --local: {per / run:.2f}x")
