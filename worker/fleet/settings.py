@@ -3,7 +3,8 @@
 Owns every setting a worker, the scheduler or the web UI reads beyond those of the
 instrument (``worker.instrument.settings``): where the fleet's services are (broker,
 shared repository, observation store), local paths, concurrency, the delivery and
-recovery timings, and the fleet-wide cap on calls to each model provider. None of
+recovery timings, and the fleet-wide caps on calls to each model provider and to
+each model; and ``load_settings``, which refuses a bad value in one line. None of
 these decide or record a generation (the cap decides when a call is sent, within
 the call's own deadline, never what it may do), so this module is not fingerprinted:
 a queueing fix never forces a lineage to start over. With nothing configured,
