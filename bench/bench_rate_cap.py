@@ -17,9 +17,13 @@ Each side runs every lineage for ``--minutes`` after a warm-up:
 
 Printed per side: generations landed and their outcomes; requests the vendor saw,
 the most it saw in any 60 s, and the 429s it sent; model calls answered and lost
-(502), calls lost to 429s, attempts per call, and the time calls waited for the cap.
-Target: the capped side loses no generation to 429s and the vendor never sees more
-than ``--limit`` requests in a minute. Run: ``.venv/bin/python bench/bench_rate_cap.py
+(502), calls lost to 429s, attempts per call, the time calls waited for the cap
+(median, 90th percentile, max), and the order the cap served them in: of every
+two attempts that waited for the cap at the same time, the share admitted in the
+order they arrived (each attempt's start and wait, from its observation; the hosts
+share one clock here). Target: the capped side loses no generation to 429s, the
+vendor never sees more than ``--limit`` requests in a minute, and the cap serves
+waiters in arrival order. Run: ``.venv/bin/python bench/bench_rate_cap.py
 [--minutes 4 --limit 60 --sides capped,uncapped]``. A measurement, not a test: exits 0
 either way.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import io
+import itertools
 import json
 import math
 import os
@@ -37,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -160,6 +166,9 @@ class Side:
     lost_to_429: int = 0
     attempts: list[int] = field(default_factory=list)
     cap_waits: list[float] = field(default_factory=list)
+    # Every attempt the cap admitted: when it began to wait and when it was let through
+    # (epoch seconds).
+    admissions: list[tuple[float, float]] = field(default_factory=list)
     attempts_429: int = 0
     seen: int = 0
     refused: int = 0
@@ -182,6 +191,12 @@ def tally(side: Side, observation: dict[str, Any]) -> None:
         attempts = call.get("attempts", [])
         side.attempts.append(len(attempts))
         side.cap_waits.extend(a["cap_wait_seconds"] for a in attempts)
+        for attempt in attempts:
+            if attempt["outcome"] != "no_slot" and (
+                attempt["request_seconds"] > 0 or attempt["vendor_status"] is not None
+            ):
+                arrived = datetime.fromisoformat(attempt["started_at"]).timestamp()
+                side.admissions.append((arrived, arrived + attempt["cap_wait_seconds"]))
         side.attempts_429 += sum(1 for a in attempts if a.get("vendor_status") == 429)
         if call["status"] == 200:
             side.answered += 1
@@ -279,6 +294,24 @@ def main() -> None:
     os._exit(0)  # the Celery producer's threads must not hold the exit
 
 
+def in_order(admissions: list[tuple[float, float]]) -> tuple[int, int]:
+    """Of every two attempts that waited for the cap at once (the later arrived before
+    the earlier was admitted), how many were admitted in arrival order, and how many
+    such pairs there were."""
+    ordered = sorted(admissions)
+    kept = pairs = 0
+    for (_, admitted), (later, later_admitted) in itertools.combinations(ordered, 2):
+        if later < admitted:
+            pairs += 1
+            kept += admitted <= later_admitted
+    return kept, pairs
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
 def report(side: Side, limit: int) -> None:
     minutes = side.seconds / 60
     waits = side.cap_waits or [0.0]
@@ -301,9 +334,22 @@ def report(side: Side, limit: int) -> None:
         f"attempts per call:     median {median(side.attempts or [0]):.0f}, "
         f"max {max(side.attempts or [0])}; {side.attempts_429} attempts met a 429"
     )
-    print(f"wait for the cap:      median {median(waits):.1f} s, max {max(waits):.1f} s")
+    print(
+        f"wait for the cap:      median {median(waits):.1f} s, "
+        f"90th percentile {percentile(waits, 0.9):.1f} s, max {max(waits):.1f} s"
+    )
+    kept, pairs = in_order(side.admissions)
+    share = kept / pairs if pairs else 1.0
+    print(
+        f"arrival order:         {kept} of {pairs} pairs waiting at once admitted in the order "
+        f"they arrived ({100 * share:.1f} %)"
+    )
     held = side.lost_to_429 == 0 and side.max_minute <= limit
-    print(f"verdict:               {'PASS' if held else 'MISS'} (no call lost to 429s, limit held)")
+    fair = not side.cap or share >= 0.99
+    print(
+        f"verdict:               {'PASS' if held and fair else 'MISS'} "
+        "(no call lost to 429s, limit held" + (", arrival order kept)" if side.cap else ")")
+    )
 
 
 if __name__ == "__main__":

@@ -370,7 +370,7 @@ def test_a_hostile_lifes_slow_calls_give_the_fleet_cap_back_when_it_ends_so_a_vi
     cap, prefix = Cap(concurrent_calls=8), f"ouroboros-test-{uuid.uuid4().hex[:12]}"
     client = redis.Redis.from_url(redis_url)
     hostile_cap = RedisThrottle(client, cap, prefix=prefix)
-    [calls, _] = hostile_cap.keys("openai-compatible")
+    calls = hostile_cap.keys("openai-compatible").calls
 
     with model_socket(tmp_path, stand_in.url, Physics(), throttle=hostile_cap) as hostile:
         clients = [send_and_leave(hostile.socket_path) for _ in range(8)]
@@ -402,7 +402,7 @@ def test_a_call_that_finds_no_room_under_the_fleet_cap_is_answered_502_but_is_no
 
     # Another lineage's call holds the fleet's only room for as long as this one may wait.
     with (
-        throttle.admit("openai-compatible", 1, time.monotonic() + 60, busy),
+        throttle.admit("openai-compatible", "chat-model", 1, time.monotonic() + 60, busy),
         model_socket(tmp_path, stand_in.url, physics, throttle=throttle) as model,
     ):
         assert ask(model.socket_path) == 502

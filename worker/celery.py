@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from worker.fleet.settings import Settings
+from worker.fleet.settings import Settings, load_settings
 from worker.fleet.tasks import WorkerApp
 from worker.instrument.errors import Refusal
 from worker.instrument.fingerprint import Instrument, current, load_plumbing
@@ -20,7 +20,7 @@ from worker.instrument.fingerprint import Instrument, current, load_plumbing
 
 def _load() -> tuple[Settings, Instrument]:
     try:
-        settings, instrument = Settings(), current()
+        settings, instrument = load_settings(), current()
         load_plumbing()
         return settings, instrument
     except Refusal as exc:

@@ -1,9 +1,9 @@
 """What several ``schedule-lineage`` command modules share.
 
-Owns the dollar parameter type, loading the settings as a one-line refusal, and
-printing rows as a rich table or as JSON (rich is imported only for a table).
-Imported only by command modules, so only when a command runs; it imports no
-command module.
+Owns the dollar parameter type and printing rows as a rich table or as JSON (rich is
+imported only for a table); hands on ``load_settings`` (``worker.fleet.settings``:
+the settings, or a one-line refusal). Imported only by command modules, so only when
+a command runs; it imports no command module.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
 import click
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from worker.fleet.settings import Settings
-from worker.instrument.errors import Refusal
+# Re-exported: every command loads its settings from here.
+from worker.fleet.settings import load_settings as load_settings
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -45,15 +45,6 @@ class Money(click.ParamType):  # type: ignore[type-arg]
 
 
 USD = Money()
-
-
-def load_settings() -> Settings:
-    try:
-        return Settings()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = "OUROBOROS_" + str(first["loc"][0]).upper() if first["loc"] else "configuration"
-        raise Refusal(f"{field}: {first['msg']}") from None
 
 
 def emit(rows: Sequence[BaseModel], as_json: bool, table: Callable[[], Table]) -> None:

@@ -51,15 +51,27 @@ def model_cap(settings: Settings) -> Cap:
     )
 
 
+def model_caps(settings: Settings) -> dict[str, Cap]:
+    """The cap on each model, at each provider, that the settings ask for."""
+    return {
+        model: Cap(
+            concurrent_calls=limits.max_concurrent_calls,
+            requests_per_minute=limits.requests_per_minute,
+            tokens_per_minute=limits.tokens_per_minute,
+        )
+        for model, limits in settings.model_cap_per_model.items()
+    }
+
+
 def model_throttle(settings: Settings, *, shared: bool) -> Throttle:
-    """The cap on model calls: the fleet's in Redis when shared, else this process's own."""
+    """The caps on model calls: the fleet's in Redis when shared, else this process's own."""
     if shared:
         # Redis only for the fleet's cap: ``run --local`` needs no broker client at all.
         from worker.fleet.model_throttle import RedisThrottle
         from worker.fleet.redis_keys import redis_client
 
-        return RedisThrottle(redis_client(settings), model_cap(settings))
-    return LocalThrottle(model_cap(settings))
+        return RedisThrottle(redis_client(settings), model_cap(settings), model_caps(settings))
+    return LocalThrottle(model_cap(settings), model_caps(settings))
 
 
 def build_pipeline(

@@ -3,7 +3,8 @@
 Owns every setting a worker, the scheduler or the web UI reads beyond those of the
 instrument (``worker.instrument.settings``): where the fleet's services are (broker,
 shared repository, observation store), local paths, concurrency, the delivery and
-recovery timings, and the fleet-wide cap on calls to each model provider. None of
+recovery timings, and the fleet-wide caps on calls to each model provider and to
+each model; and ``load_settings``, which refuses a bad value in one line. None of
 these decide or record a generation (the cap decides when a call is sent, within
 the call's own deadline, never what it may do), so this module is not fingerprinted:
 a queueing fix never forces a lineage to start over. With nothing configured,
@@ -13,11 +14,34 @@ repository ``lineages.git``, a ``file://`` observation store and a private Redis
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
+from pydantic_settings import NoDecode
 
+from worker.instrument.errors import Refusal
 from worker.instrument.settings import InstrumentSettings
+
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+class ModelLimits(BaseModel):
+    """The fleet-wide cap on calls to one model at each provider; 0 switches a limit off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent_calls: int = Field(0, ge=0, le=100_000)
+    requests_per_minute: int = Field(0, ge=0, le=10_000_000)
+    tokens_per_minute: int = Field(0, ge=0, le=10**10)
 
 
 class Settings(InstrumentSettings):
@@ -58,6 +82,12 @@ class Settings(InstrumentSettings):
     model_max_concurrent_calls: int = Field(16, ge=0, le=100_000)
     model_requests_per_minute: int = Field(50, ge=0, le=10_000_000)
     model_tokens_per_minute: int = Field(0, ge=0, le=10**10)
+    # A cap per model as well, which a call satisfies beside its provider's: JSON, e.g.
+    # {"gpt-4o": {"requests_per_minute": 30}}. Parsed here, not by pydantic-settings,
+    # so that bad JSON is refused in one line like any other bad value.
+    model_cap_per_model: Annotated[dict[ModelName, ModelLimits], NoDecode] = Field(
+        default_factory=dict
+    )
 
     @field_validator("observations")
     @classmethod
@@ -67,6 +97,19 @@ class Settings(InstrumentSettings):
                 f"{value!r} is not an observation store URL; use file:///path or s3://bucket/prefix"
             )
         return value
+
+    @field_validator("model_cap_per_model", mode="before")
+    @classmethod
+    def _model_caps_from_json(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"not JSON ({exc.msg} at character {exc.pos}); "
+                'use e.g. {"gpt-4o": {"requests_per_minute": 30}}'
+            ) from None
 
     @property
     def home_dir(self) -> Path:
@@ -92,3 +135,16 @@ class Settings(InstrumentSettings):
     @property
     def state_path(self) -> Path:
         return (self.state_dir or self.home_dir / "state").expanduser().resolve()
+
+
+def load_settings() -> Settings:
+    """The settings, or a one-line Refusal naming the first bad one (and where in it)."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if not first["loc"]:
+            raise Refusal(f"configuration: {first['msg']}") from None
+        field, *inside = (str(part) for part in first["loc"])
+        where = f" {'.'.join(inside)}:" if inside else ""
+        raise Refusal(f"OUROBOROS_{field.upper()}:{where} {first['msg']}") from None

@@ -429,7 +429,9 @@ class CallEngine:
         """On a model thread: room under the provider's cap, then one request."""
         attempt.capping = time.monotonic()
         cap = (
-            self.throttle.admit(self.provider.name, estimate, deadline, self._ended)
+            self.throttle.admit(
+                self.provider.name, self.provider.model, estimate, deadline, self._ended
+            )
             if self.provider.capped
             else contextlib.nullcontext(None)
         )

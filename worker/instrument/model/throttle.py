@@ -1,11 +1,14 @@
 """The cap on calls to a provider: the interface the model socket waits on, and its local form.
 
 Owns the ``Throttle`` protocol that the model socket calls before every attempt at a
-vendor, the ``Cap`` it enforces per provider, and ``LocalThrottle``, which enforces a
-cap within one process (``run --local``, the tests). The fleet's shared form, one
-cap for every worker through Redis, is ``worker.fleet.model_throttle``; the fleet
-passes it in through the pipeline, so nothing here knows where the fleet keeps its
-state.
+vendor, the ``Cap`` it enforces per provider and per model, the order in which waiters
+are served, and ``LocalThrottle``, which enforces the caps within one process
+(``run --local``, the tests). The fleet's shared form, one cap for every worker
+through Redis, is ``worker.fleet.model_throttle``; the fleet passes it in through the
+pipeline, so nothing here knows where the fleet keeps its state.
+
+A call satisfies its provider's cap and, when one is set, its model's cap (a model's
+cap is per provider too: the same model name at two vendors is two accounts' limits).
 
 A cap has three limits, each off at 0:
 
@@ -20,6 +23,13 @@ A cap has three limits, each off at 0:
   as vendors' limiters estimate), so a large request is never starved, only followed
   by a longer gap.
 
+Waiters are served in arrival order, per cap: each cap keeps a queue, and only its
+head may take room. A call with a model cap queues for its model first, and joins its
+provider's queue (in its place by arrival) only once it heads its model's queue and
+its model has room: a model held back by its own cap never holds up the provider's
+other models. Every queue a call joins orders it by the same arrival, so no two
+calls can each stand ahead of the other and nobody waits on a cycle.
+
 An attempt waits for room until its call's deadline, never longer: that wait is the
 call's, and the socket records it per attempt. The room is held until the block ends,
 or until ``Admission.release`` gives it back sooner: the socket does so for every
@@ -30,9 +40,11 @@ figures.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,6 +64,32 @@ class Cap:
     tokens_per_minute: int = 0
     # The "minute" of the two paces (shorter only in tests).
     window_seconds: float = WINDOW_SECONDS
+
+    @property
+    def limits(self) -> bool:
+        """Whether any limit is on."""
+        return bool(self.concurrent_calls or self.requests_per_minute or self.tokens_per_minute)
+
+
+def cap_name(provider: str, model: str | None = None) -> str:
+    """The name a provider's cap, or a model's cap at that provider, is kept under."""
+    return provider if model is None else f"{provider}:model:{model}"
+
+
+def caps_of(
+    provider: str, model: str, cap: Cap, model_caps: Mapping[str, Cap]
+) -> list[tuple[str, Cap]]:
+    """The caps a call must satisfy, each with the name its state is kept under.
+
+    The model's comes first: a call queues for it before it queues for its provider's.
+    """
+    named = []
+    of_model = model_caps.get(model)
+    if of_model is not None and of_model.limits:
+        named.append((cap_name(provider, model), of_model))
+    if cap.limits:
+        named.append((provider, cap))
+    return named
 
 
 def _nothing() -> None:
@@ -83,9 +121,10 @@ class Throttle(Protocol):
     """Room under the cap of a provider, held for one request."""
 
     def admit(
-        self, provider: str, tokens: int, deadline: float, stop: threading.Event
+        self, provider: str, model: str, tokens: int, deadline: float, stop: threading.Event
     ) -> AbstractContextManager[Admission]:
-        """Wait for room for one request of about ``tokens``, and hold it for the block.
+        """Wait for room for one request of about ``tokens`` to ``model``, and hold it
+        for the block; waiters are served in arrival order.
 
         ``deadline`` is a ``time.monotonic()`` time. Raises NoRoom at the deadline, or
         as soon as ``stop`` is set (the life has ended: nobody wants the answer).
@@ -102,35 +141,46 @@ def no_room(provider: str, waited: float) -> NoRoom:
 
 
 class LocalThrottle:
-    """A cap kept in this process's memory: right for one process, blind to others."""
+    """Caps kept in this process's memory: right for one process, blind to others."""
 
-    def __init__(self, cap: Cap | None = None) -> None:
+    def __init__(self, cap: Cap | None = None, model_caps: Mapping[str, Cap] | None = None) -> None:
         self.cap = cap or Cap()
+        self.model_caps = dict(model_caps or {})
         self._changed = threading.Condition()
+        self._tickets = itertools.count()
+        # Per cap: the tickets waiting, in arrival order, and the calls in progress.
+        self._queues: dict[str, list[int]] = {}
         self._running: dict[str, int] = {}
-        # Per provider, the earliest time (time.monotonic()) the next request may go
-        # by the request pace and by the token pace.
+        # Per cap, the earliest time (time.monotonic()) the next request may go by the
+        # request pace and by the token pace.
         self._next: dict[str, tuple[float, float]] = {}
 
     @contextmanager
     def admit(
-        self, provider: str, tokens: int, deadline: float, stop: threading.Event
+        self, provider: str, model: str, tokens: int, deadline: float, stop: threading.Event
     ) -> Iterator[Admission]:
         started = time.monotonic()
+        named = caps_of(provider, model, self.cap, self.model_caps)
         with self._changed:
-            while (wait := self._wait(provider)) > 0:
-                now = time.monotonic()
-                if stop.is_set() or now >= deadline:
-                    raise no_room(provider, now - started)
-                self._changed.wait(min(wait, deadline - now, POLL_SECONDS))
-            self._take(provider, tokens)
+            ticket = next(self._tickets)
+            try:
+                while (wait := self._wait(named, ticket)) > 0:
+                    now = time.monotonic()
+                    if stop.is_set() or now >= deadline:
+                        raise no_room(provider, now - started)
+                    self._changed.wait(min(wait, deadline - now, POLL_SECONDS))
+            finally:
+                # Admitted or not, the ticket leaves every queue; the next head looks.
+                self._leave(named, ticket)
+            self._take(named, tokens)
         held = [True]
 
         def release() -> None:
             with self._changed:
                 if held:
                     held.clear()
-                    self._running[provider] -= 1
+                    for name, _ in named:
+                        self._running[name] -= 1
                     self._changed.notify_all()
 
         try:
@@ -138,21 +188,44 @@ class LocalThrottle:
         finally:
             release()
 
-    def _wait(self, provider: str) -> float:
-        """0 when there is room now, else how long to wait before looking again."""
-        if (
-            self.cap.concurrent_calls
-            and self._running.get(provider, 0) >= self.cap.concurrent_calls
-        ):
-            return POLL_SECONDS
-        return max(self._next.get(provider, (0.0, 0.0))) - time.monotonic()
+    def waiting(self, provider: str, model: str | None = None) -> int:
+        """How many calls wait for the provider's cap, or for the model's at it."""
+        with self._changed:
+            return len(self._queues.get(cap_name(provider, model), []))
 
-    def _take(self, provider: str, tokens: int) -> None:
-        cap, now = self.cap, time.monotonic()
-        by_requests, by_tokens = self._next.get(provider, (now, now))
-        if cap.requests_per_minute:
-            by_requests = max(by_requests, now) + cap.window_seconds / cap.requests_per_minute
-        if cap.tokens_per_minute:
-            by_tokens = max(by_tokens, now) + tokens * cap.window_seconds / cap.tokens_per_minute
-        self._next[provider] = (by_requests, by_tokens)
-        self._running[provider] = self._running.get(provider, 0) + 1
+    def _wait(self, named: list[tuple[str, Cap]], ticket: int) -> float:
+        """0 when the ticket heads every queue and has room now, else how long to wait
+        before looking again."""
+        for name, cap in named:
+            queue = self._queues.setdefault(name, [])
+            if ticket not in queue:
+                bisect.insort(queue, ticket)
+            if queue[0] != ticket:
+                return POLL_SECONDS
+            if cap.concurrent_calls and self._running.get(name, 0) >= cap.concurrent_calls:
+                return POLL_SECONDS
+            wait = max(self._next.get(name, (0.0, 0.0))) - time.monotonic()
+            if wait > 0:
+                return wait
+        return 0.0
+
+    def _leave(self, named: list[tuple[str, Cap]], ticket: int) -> None:
+        for name, _ in named:
+            queue = self._queues.get(name, [])
+            if ticket in queue:
+                queue.remove(ticket)
+            if not queue:
+                self._queues.pop(name, None)
+        self._changed.notify_all()
+
+    def _take(self, named: list[tuple[str, Cap]], tokens: int) -> None:
+        now = time.monotonic()
+        for name, cap in named:
+            window = cap.window_seconds
+            by_requests, by_tokens = self._next.get(name, (now, now))
+            if cap.requests_per_minute:
+                by_requests = max(by_requests, now) + window / cap.requests_per_minute
+            if cap.tokens_per_minute:
+                by_tokens = max(by_tokens, now) + tokens * window / cap.tokens_per_minute
+            self._next[name] = (by_requests, by_tokens)
+            self._running[name] = self._running.get(name, 0) + 1
