@@ -67,6 +67,9 @@ def test_the_demo_then_a_mistyped_key_stops_the_run_with_the_reason_and_the_fixe
     demos = json.loads(newcomer.ok("status", "--json").stdout)
     assert len(demos) == 3
     assert all(row["generation"] == 2 for row in demos), demos
+    # ...and replays every generation it made, as the record says it was made.
+    for row in demos:
+        assert f"{row['lineage']}: 2 reproduced, 0 diverged, 0 not replayable" in demo.stdout
     # The demo stops what it started: no daemon outlives it.
     assert not embedded_redis.running(Settings(home=newcomer.home / ".ouroboros"))
 
@@ -143,18 +146,14 @@ def landed(fleet: Fleet, lineages: list[str]) -> dict[str, int]:
     return {name: len(generations(fleet, name)) for name in lineages}
 
 
-def test_three_lineages_reach_their_target_through_a_redis_restart_and_a_vendor_outage(
+def test_three_lineages_reach_twenty_generations_through_a_redis_restart_and_a_vendor_outage(
     tmp_path: Path,
 ) -> None:
     """The issue's acceptance: one worker, a TCP Redis restarted without its data, a
-    vendor answering 503 for a while; nobody runs a reconciler or touches the run.
-
-    Both faults come before generation 9 of each lineage; the target of 12 (the issue
-    said 20) leaves each lineage lives after the vendor is back, which the last
-    generation's observation proves: the eight more of twenty proved nothing further."""
+    vendor answering 503 for a while; nobody runs a reconciler or touches the run."""
     redis_server = PrivateRedis(tmp_path / "redis")
     lineages = ["one", "two", "three"]
-    target = 12
+    target = 20
     with running_stand_in() as vendor:
         vendor.reply = chat_reply((ROOT / "organism.el").read_text())
         fleet = Fleet(
@@ -209,7 +208,5 @@ def test_three_lineages_reach_their_target_through_a_redis_restart_and_a_vendor_
             failure = fleet.observation(name, number)["model_failure"]
             assert (failure is not None) == ("model unavailable" in subject), (name, subject)
             marked += failure is not None
-        # Lived once the vendor answered again, not carried to the target by the outage.
-        assert fleet.observation(name, target)["model_failure"] is None, name
     assert marked >= 1
     assert "Traceback" not in worker.text()
