@@ -22,7 +22,7 @@ from pathlib import Path
 import boto3
 import pytest
 import redis
-from support.browse import Served, serve_sample_and_hostile
+from support.browse import Served, serve_session_sample
 from support.fleet import MACHINE_REDIS, S3_REGION, Fleet, MotoServer, PrivateRedis, Worker
 from support.litellm import running_proxy
 from support.rig import Rig, Sent
@@ -54,9 +54,10 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def served_sample(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """One ``schedule-lineage serve`` for the session over the legacy sample and a lineage
-    full of hostile text: the read-only browse, schema and metrics tests share it."""
-    server = serve_sample_and_hostile(tmp_path_factory.mktemp("served-sample"))
+    """One ``schedule-lineage serve`` for the session over the legacy sample, its twin and
+    a lineage full of hostile text: the read-only browse, API, schema and metrics tests
+    share it."""
+    server = serve_session_sample(tmp_path_factory.mktemp("served-sample"))
     yield server
     server.stop()
 

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from support.browse import Served, import_fixture, settings_of, write_hostile_lineage
+from support.browse import Served
 from support.fleet import MACHINE_REDIS, SMALL_PHYSICS, Fleet, Worker, seed_file
 from support.legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 
-from worker.fleet.assembly import observation_store
-from worker.fleet.runs import RunRecord
 from worker.instrument.records import DEATHS
-from worker.instrument.store_keys import run_key
 
 # Full tier: it serves the UI with `schedule-lineage serve`.
 pytestmark = pytest.mark.full
@@ -24,28 +19,10 @@ CRASH = '(message "about to die")\n(error "boom from the organism")\n'
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    home = tmp_path_factory.mktemp("browse-api")
-    fleet = Fleet(home)
-    import_fixture(fleet)
-    import_fixture(fleet, "sample-twin")
-    settings = settings_of(fleet)
-    write_hostile_lineage(settings)
-    run = RunRecord(
-        run_id="20260301T000000-abcdef",
-        lineage="xss",
-        created_at=datetime(2026, 3, 1, tzinfo=UTC),
-        start_generation=0,
-        target_generation=5,
-        provider="scripted",
-        model=None,
-        budget_usd=Decimal("1"),
-    )
-    observation_store(settings).put(run_key("xss", run.run_id), run.model_dump_json().encode())
-    server = Served(fleet, home / "serve.log")
-    server.wait_for_workers()
-    yield server
-    server.stop()
+def served(served_sample: Served) -> Served:
+    """The session's served sample, once its answer on live workers is in."""
+    served_sample.wait_for_workers()
+    return served_sample
 
 
 def test_overview_lists_every_lineage_with_status_progress_and_spend(served: Served) -> None:

@@ -378,12 +378,18 @@ def test_cancel_stops_a_run_after_the_generation_in_flight(
     fleet.ok("run", "halted", "--generations", "50")
     wait_for(lambda: len(generations(fleet, "halted")) >= 1, 60, "a first generation")
     fleet.ok("cancel", "halted")
-    time.sleep(5)
+
+    def settled() -> bool:
+        (row,) = json.loads(fleet.ok("status", "halted", "--json").stdout)
+        return row["stopped"] == "cancelled" and row["in_flight"] is None
+
+    # The generation in flight lands (or its job is dropped) and nothing holds the lineage.
+    wait_for(settled, 60, "the cancelled run to have nothing in flight")
     done = len(generations(fleet, "halted"))
+    # Longer than a 1 s life and its publication: a job sent after all would have landed.
     time.sleep(4)
     assert len(generations(fleet, "halted")) == done < 50
-    rows = json.loads(fleet.ok("status", "halted", "--json").stdout)
-    assert rows[0]["stopped"] == "cancelled"
+    assert settled()
 
 
 def test_a_run_started_over_a_queued_one_replaces_it(fleet: Fleet, workers: list[Worker]) -> None:

@@ -5,7 +5,8 @@ killed between fetching a job and starting it (within the lease, and released at
 by the worker restarted on its host), a whole worker killed mid-life (released the
 same way), a pool child killed mid-life, a Redis restart with and without its data,
 and garbage on every queue a worker consumes, published the way a real client reaches
-the queue (the store outage is in ``tests/test_fleet.py``). Each checks the recovery
+the queue, every shape to one worker that must serve on through all of them (the store
+outage is in ``tests/test_fleet.py``). Each checks the recovery
 comes within ``OUROBOROS_LEASE_SECONDS`` plus one reconcile interval (with generous
 margins: never a timing assertion), and the durable records after it. Also: the
 queues' bindings as ``inspect`` reports them, and Flower, run as the compose file runs
@@ -25,6 +26,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -275,19 +277,52 @@ GARBAGE = {
 }
 
 
+class Sturdy(NamedTuple):
+    fleet: Fleet
+    worker: Worker
+
+
+@pytest.fixture(scope="module")
+def sturdy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sturdy]:
+    """One fleet and one worker for every shape of garbage: each shape must leave the
+    worker serving, so the next shape meets the worker the previous ones left."""
+    home = tmp_path_factory.mktemp("garbage")
+    server = PrivateRedis(home / "redis")
+    fleet = Fleet(
+        home,
+        OUROBOROS_BROKER_URL=server.url,
+        OUROBOROS_LEASE_SECONDS=str(LEASE),
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS=str(RECONCILE),
+    )
+    worker = Worker(fleet, "w1")
+    try:
+        worker.wait_ready()
+        yield Sturdy(fleet, worker)
+    finally:
+        worker.stop()
+        server.stop()
+
+
 @pytest.mark.parametrize("shape", list(GARBAGE))
 def test_garbage_on_a_queue_is_dropped_with_one_line_and_the_worker_serves_on(
-    fleet: Fleet, workers: list[Worker], shape: str
+    sturdy: Sturdy, shape: str
 ) -> None:
-    seed = seed_file(fleet.home, SLOW.format(seconds=2) + WRITES_STATE)
-    fleet.ok("init", "sturdy", "--seed", str(seed), *SMALL_PHYSICS)
-    worker = start(fleet, workers, "w1")
-    queue = queue_of(fleet, "sturdy")
+    fleet, worker, lineage = sturdy.fleet, sturdy.worker, f"sturdy-{shape}"
+    seed = seed_file(fleet.home, SLOW.format(seconds=2) + WRITES_STATE, f"{lineage}.el")
+    fleet.ok("init", lineage, "--seed", str(seed), *SMALL_PHYSICS)
+    queue = queue_of(fleet, lineage)
     how, what, why = GARBAGE[shape]
     client = redis.Redis.from_url(fleet.env["OUROBOROS_BROKER_URL"])
-    fleet.ok("run", "sturdy", "--generations", "2")
+    # What the worker logs from here on is this shape's: the earlier ones were all logged.
+    before = len(worker.text())
+
+    def since() -> str:
+        return worker.text()[before:]
+
+    fleet.ok("run", lineage, "--generations", "2")
     # The garbage arrives while a life is in flight on this very worker.
-    wait_for(lambda: client.exists("ouroboros:lease:sturdy"), 60, "the first life to start")
+    wait_for(lambda: client.exists(f"ouroboros:lease:{lineage}"), 60, "the first life to start")
     if how == "script":
         subprocess.run(
             [sys.executable, "-c", what, queue], env=fleet.env, cwd=fleet.home, check=True
@@ -296,14 +331,15 @@ def test_garbage_on_a_queue_is_dropped_with_one_line_and_the_worker_serves_on(
         client.lpush(queue if how == "lpush" else "ouroboros.control", what)
     target = queue if how != "lpush-control" else "ouroboros.control"
     line = f"dropped a message on queue {target}: "
-    wait_for(lambda: line in worker.text(), 60, "the drop to be logged")
-    wait_for(lambda: len(generations(fleet, "sturdy")) == 2, 120, "both generations")
-    wait_for(lambda: fleet.observation_numbers("sturdy") == [1, 2], 60, "their observations")
+    wait_for(lambda: line in since(), 60, "the drop to be logged")
+    wait_for(lambda: len(generations(fleet, lineage)) == 2, 120, "both generations")
+    wait_for(lambda: fleet.observation_numbers(lineage) == [1, 2], 60, "their observations")
     assert worker.process.poll() is None
-    assert_linear(fleet, "sturdy", 2)
-    log = worker.text()
-    (dropped,) = [entry for entry in log.splitlines() if line in entry]
+    assert_linear(fleet, lineage, 2)
+    (dropped,) = [entry for entry in since().splitlines() if line in entry]
     assert why in dropped
+    # The whole log: no shape, this one or an earlier one, left a trace of a failure.
+    log = worker.text()
     assert "Traceback" not in log and "Unrecoverable" not in log
     assert "Connection to broker lost" not in log
 

@@ -2,14 +2,11 @@
 
 Each test is an attack an organism could make (issue 24), lived for real (bwrap, Emacs,
 cgroup v1) by the root worker and by a real unprivileged worker (the fixtures of
-tests/test_sandbox_identity.py). The organism drives the kernel with python3's ctypes
+tests/support/two_workers.py). The organism drives the kernel with python3's ctypes
 from the host's /usr, which the sandbox sees. Non-destructive on the host: the calls
 that the filter refuses are the ones whose success would stay inside the life's own
 namespaces or keyrings; nothing here writes a host setting or installs a helper.
 """
-
-# Fixtures imported from test_sandbox_identity are parameters of the same name.
-# ruff: noqa: F811
 
 from __future__ import annotations
 
@@ -27,14 +24,14 @@ from typing import TypeVar
 
 import pytest
 from support.sandbox import SMALL, kernel_dir, label_fixture  # noqa: F401  (fixtures, by name)
-from test_sandbox_identity import (  # noqa: F401  (fixtures, used by name)
+from support.two_workers import (  # noqa: F401  (fixtures, used by name)
     Life,
     Worker,
-    _members,
     lines,
+    members,
     sh,
-    unprivileged_worker,
-    worker,
+    unprivileged_worker_fixture,
+    worker_fixture,
 )
 
 from worker.instrument import syscall_filter
@@ -176,7 +173,7 @@ def root_life(organism: str, label: str, filtered: bool = True) -> Life:
             kernel, SMALL, select_ceiling("cgroup1"), label, resolve_emacs(), identity, filtered
         )
     archive = result.archive or b""
-    return Life(result.death(), _members(archive), archive, result.stderr.decode(), identity.uid)
+    return Life(result.death(), members(archive), archive, result.stderr.decode(), identity.uid)
 
 
 # --- the syscall filter --------------------------------------------------------------------

@@ -249,6 +249,40 @@ def test_no_cli_module_imports_a_command_module() -> None:
             assert not {n for n in imported if n.startswith("scheduler.cli")}, path.name
 
 
+def imported_test_modules(source: str) -> set[str]:
+    """The test modules (``test_*``, at the top or under ``tests``) that ``source`` imports."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    found = set()
+    for parts in (name.split(".") for name in names):
+        if parts[0].startswith("test_"):
+            found.add(parts[0])
+        elif parts[0] == "tests" and len(parts) > 1 and parts[1].startswith("test_"):
+            found.add(f"tests.{parts[1]}")
+    return found
+
+
+def test_the_test_import_check_sees_every_form_of_importing_a_test_module() -> None:
+    source = (
+        "from test_a import x\nimport tests.test_b\nfrom tests import test_c\n"
+        "import support.fleet\nfrom support.sandbox import test_like_name\n"
+    )
+    assert imported_test_modules(source) == {"test_a", "tests.test_b", "tests.test_c"}
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers and fixtures live in tests/support/, where bench/ finds them too."""
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        found = imported_test_modules(path.read_text())
+        where = path.relative_to(ROOT)
+        assert not found, f"{where} imports {sorted(found)}: move what it shares to tests/support/"
+
+
 def test_main_maps_failures_to_exit_statuses(monkeypatch: pytest.MonkeyPatch) -> None:
     import redis
 

@@ -26,6 +26,7 @@ from support.fleet import Fleet, free_port, wait_for
 from support.legacy_lineage import write_legacy_bundle
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.repo_admin import ensure_shared_repo
+from worker.fleet.runs import RunRecord
 from worker.fleet.settings import Settings
 from worker.instrument import journal
 from worker.instrument.fingerprint import Instrument
@@ -43,7 +44,7 @@ from worker.instrument.records import (
     Provenance,
 )
 from worker.instrument.store import ObservationStore
-from worker.instrument.store_keys import generation_key, index_key
+from worker.instrument.store_keys import generation_key, index_key, run_key
 
 # Markup an unescaped page would run or render: a script, an event handler, a tag.
 PAYLOAD = "<script>alert('xss')</script><img src=x onerror=alert(1)><b>bold</b>"
@@ -323,6 +324,33 @@ class Served:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+def write_hostile_run(settings: Settings, lineage: str = "xss") -> None:
+    """A run record of ``lineage`` in the store, from generation 0 to 5."""
+    run = RunRecord(
+        run_id="20260301T000000-abcdef",
+        lineage=lineage,
+        created_at=datetime(2026, 3, 1, tzinfo=UTC),
+        start_generation=0,
+        target_generation=5,
+        provider="scripted",
+        model=None,
+        budget_usd=Decimal("1"),
+    )
+    observation_store(settings).put(run_key(lineage, run.run_id), run.model_dump_json().encode())
+
+
+def serve_session_sample(home: Path) -> Served:
+    """The session's served sample: the legacy sample and its twin (one family), and the
+    hostile lineage with a run record."""
+    fleet = Fleet(home)
+    import_fixture(fleet)
+    import_fixture(fleet, "sample-twin")
+    settings = settings_of(fleet)
+    write_hostile_lineage(settings)
+    write_hostile_run(settings)
+    return Served(fleet, home / "serve.log")
 
 
 def serve_sample_and_hostile(home: Path, *forks: tuple[str, str]) -> Served:

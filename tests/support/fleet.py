@@ -18,7 +18,8 @@ benchmarks (``bench/common.py`` puts ``tests/`` on ``sys.path``):
   Celery task message as kombu's Redis transport stores it, to publish hostile variants).
 * ``MACHINE_REDIS``: the machine's Redis the tests share (``OUROBOROS_TEST_REDIS``,
   default ``redis://127.0.0.1:6379``), so two test sessions on one machine can each
-  point at a redis-server of their own instead of flushing each other's databases.
+  point at a redis-server of their own instead of flushing each other's databases. A
+  database number in it is dropped: the tests choose their databases themselves.
 * ``Follower``: ``schedule-lineage ARGS`` in the background, its output read line by line.
 * ``helper_name``: what ``Fleet.traced`` reports a spawned process as.
 * ``BYTECODE_CACHE``: one private bytecode cache for every fleet process of this
@@ -54,7 +55,9 @@ from pathlib import Path
 from typing import TypeVar
 
 # The machine's Redis, unless a test session names another (see the docstring).
-MACHINE_REDIS = os.environ.get("OUROBOROS_TEST_REDIS", "redis://127.0.0.1:6379").rstrip("/")
+MACHINE_REDIS = re.sub(
+    r"/\d*/?$", "", os.environ.get("OUROBOROS_TEST_REDIS", "redis://127.0.0.1:6379")
+)
 
 INSTRUMENT_COMMIT = "a" * 40
 
