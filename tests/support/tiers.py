@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import multiprocessing.process
 import os
 import socket
@@ -79,6 +80,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "full: starts a process or needs a service, a sandbox or cgroups (full tier only)",
     )
     if config.getoption("fast"):
+        # pyseccomp finds libseccomp on import with ctypes' find_library, which runs
+        # `ldconfig -p`: a process of the session, not of whichever test imports it first.
+        importlib.import_module("pyseccomp")
         # For the whole session: a server a module- or session-scoped fixture bound
         # during an earlier test is still this process's own.
         original_bind = socket.socket.bind
