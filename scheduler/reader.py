@@ -132,6 +132,17 @@ class History:
 
 
 @dataclass
+class Tally:
+    """A lineage's generations counted: by outcome class, deaths by kind, observed ones
+    and those marked "model unavailable"."""
+
+    outcomes: Counter[str]
+    deaths: Counter[str]
+    observed: int
+    unavailable: int
+
+
+@dataclass
 class IndexView:
     """A parsed index object with the derived figures every view needs."""
 
@@ -155,6 +166,8 @@ class Reader:
         # Commit -> organism.el's blob and size; blob -> its lines. Both never change.
         self._bodies: dict[str, tuple[str, float] | None] = {}
         self._lines: dict[str, float] = {}
+        # Lineage -> the head and index view it was counted at, and the count.
+        self._tallies: dict[str, tuple[str, IndexView | None, Tally]] = {}
 
     # -- lineages -------------------------------------------------------------
 
@@ -678,17 +691,7 @@ class Reader:
         index = index if index is not None else self._index(history.name)
         metas = metas if metas is not None else self.metadata()
         kids = kids if kids is not None else offspring(metas)
-        outcomes: Counter[str] = Counter()
-        deaths: Counter[str] = Counter()
-        observed = unavailable = 0
-        for commit in history.by_generation.values():
-            figures = _figures(commit, index)
-            observed += figures is not None
-            outcome = figures.outcome if figures else commit.kind
-            outcomes[_outcome_class(outcome)] += 1
-            if is_death(outcome):
-                deaths[outcome] += 1
-            unavailable += figures.model_unavailable if figures else commit.model_unavailable
+        tally = self._tally(history, index)
         latest = max(history.by_generation, default=0)
         last = history.by_generation.get(latest)
         last_entry = index.entries.get(latest) if index else None
@@ -711,8 +714,8 @@ class Reader:
                 history.metadata.instrument_fingerprint if history.metadata else None
             ),
             generations=latest,
-            outcomes=dict(outcomes),
-            model_unavailable=unavailable,
+            outcomes=dict(tally.outcomes),
+            model_unavailable=tally.unavailable,
             out_of_loop=len(history.commits) - history.numbered,
             last_generation_at=(
                 last_entry.finished_at
@@ -722,15 +725,34 @@ class Reader:
                 else None
             ),
             spent_usd=index.spent_usd if index else None,
-            observed=observed,
-            backlog=history.numbered - observed if fleet else None,
+            observed=tally.observed,
+            backlog=history.numbered - tally.observed if fleet else None,
             run=progress,
             parent=history.metadata.parent if history.metadata else None,
             children=[child.lineage for child in kids.get(history.name, [])],
             cohort=history.metadata.cohort if history.metadata else None,
-            deaths=dict(deaths),
+            deaths=dict(tally.deaths),
             last_outcome=_outcome(last, index) if last else None,
         )
+
+    def _tally(self, history: History, index: IndexView | None) -> Tally:
+        """The lineage's outcome counts, counted again only when its head or its index
+        changed (the index view is the same object while its bytes are the same)."""
+        cached = self._tallies.get(history.name)
+        if cached is not None and cached[0] == history.head and cached[1] is index:
+            return cached[2]
+        tally = Tally(Counter(), Counter(), 0, 0)
+        for commit in history.by_generation.values():
+            figures = _figures(commit, index)
+            tally.observed += figures is not None
+            outcome = figures.outcome if figures else commit.kind
+            tally.outcomes[_outcome_class(outcome)] += 1
+            if is_death(outcome):
+                tally.deaths[outcome] += 1
+            tally.unavailable += figures.model_unavailable if figures else commit.model_unavailable
+        with self._lock:
+            self._tallies[history.name] = (history.head, index, tally)
+        return tally
 
     def _diff(self, old: str | None, new: str) -> list[FileDiff]:
         """Per-path changes, organism.el first, then the other paths in git's order."""
