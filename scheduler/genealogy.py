@@ -97,18 +97,28 @@ def genealogy(name: str, metas: Mapping[str, LineageMetadata | None]) -> Genealo
 
 def children(name: str, metas: Mapping[str, LineageMetadata | None]) -> list[Child]:
     """Lineages forked from ``name``, oldest source generation first."""
-    found = [
-        Child(
-            lineage=child,
-            generation=meta.parent.generation,
-            commit=meta.parent.commit,
-            instrument_fingerprint=meta.instrument_fingerprint,
-            instrument_version=meta.instrument_version,
-        )
-        for child, meta in metas.items()
-        if meta is not None and meta.parent is not None and meta.parent.lineage == name
-    ]
-    return sorted(found, key=lambda c: (c.generation, c.lineage))
+    return offspring(metas).get(name, [])
+
+
+def offspring(metas: Mapping[str, LineageMetadata | None]) -> dict[str, list[Child]]:
+    """Every parent's children as ``children`` lists them, in one pass over ``metas`` (a
+    view of every lineage asks this once, not once per lineage)."""
+    found: dict[str, list[Child]] = {}
+    for child, meta in metas.items():
+        if meta is not None and meta.parent is not None:
+            found.setdefault(meta.parent.lineage, []).append(
+                Child(
+                    lineage=child,
+                    generation=meta.parent.generation,
+                    commit=meta.parent.commit,
+                    instrument_fingerprint=meta.instrument_fingerprint,
+                    instrument_version=meta.instrument_version,
+                )
+            )
+    return {
+        parent: sorted(kids, key=lambda c: (c.generation, c.lineage))
+        for parent, kids in found.items()
+    }
 
 
 def descendants(roots: list[str], metas: Mapping[str, LineageMetadata | None]) -> list[str]:

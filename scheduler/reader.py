@@ -34,7 +34,9 @@ from typing import NamedTuple, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from scheduler.cohorts import in_cohort
-from scheduler.genealogy import Genealogy, children, descendants, genealogy
+from scheduler.curves import bucketed, cumulative, overlay, shares, since, strip
+from scheduler.emacs_errors import first_error
+from scheduler.genealogy import Child, Genealogy, descendants, genealogy, offspring
 from scheduler.history import CommitKind, journal_entries, journal_entry, parse_subject
 from scheduler.readgit import ReadOnlyGit
 from scheduler.views import (
@@ -42,6 +44,7 @@ from scheduler.views import (
     CohortView,
     CommitView,
     CompareView,
+    Curve,
     DeathMark,
     FamilyView,
     FileDiff,
@@ -51,9 +54,9 @@ from scheduler.views import (
     JournalRow,
     LineageSummary,
     LineageView,
+    Overlay,
     PageInfo,
     Series,
-    SeriesPoint,
     is_death,
 )
 from worker.fleet.runs import Progress, RunRecord, run_progress
@@ -76,7 +79,8 @@ from worker.instrument.store_keys import generation_key, index_key, replay_key
 DEFAULT_PER_PAGE = 50
 _Record = TypeVar("_Record", bound=BaseModel)
 MAX_PER_PAGE = 500
-CHART_POINTS = 300
+# Distinct organism bodies read per ``cat-file --batch`` when counting their lines.
+LINES_BATCH = 64
 # Above this many changed lines in one comparison only organism.el's patch is shown:
 # a published tree may hold hundreds of MiB, and a page must stay readable and fast.
 PATCH_LINE_BUDGET = 20_000
@@ -128,6 +132,17 @@ class History:
 
 
 @dataclass
+class Tally:
+    """A lineage's generations counted: by outcome class, deaths by kind, observed ones
+    and those marked "model unavailable"."""
+
+    outcomes: Counter[str]
+    deaths: Counter[str]
+    observed: int
+    unavailable: int
+
+
+@dataclass
 class IndexView:
     """A parsed index object with the derived figures every view needs."""
 
@@ -148,7 +163,11 @@ class Reader:
         self._indexes: dict[str, IndexView] = {}
         self._index_parts: dict[str, tuple[bytes, list[IndexEntry]]] = {}
         self._warned: set[str] = set()
-        self._sizes: dict[str, float | None] = {}
+        # Commit -> organism.el's blob and size; blob -> its lines. Both never change.
+        self._bodies: dict[str, tuple[str, float] | None] = {}
+        self._lines: dict[str, float] = {}
+        # Lineage -> the head and index view it was counted at, and the count.
+        self._tallies: dict[str, tuple[str, IndexView | None, Tally]] = {}
 
     # -- lineages -------------------------------------------------------------
 
@@ -213,7 +232,11 @@ class Reader:
     def summaries(self) -> list[LineageSummary]:
         heads = self.heads()
         metas = self.metadata(heads)
-        return [self._summary(self._history(n, h), metas=metas) for n, h in sorted(heads.items())]
+        kids = offspring(metas)
+        return [
+            self._summary(self._history(n, h), metas=metas, kids=kids)
+            for n, h in sorted(heads.items())
+        ]
 
     def summary(self, name: str) -> LineageSummary:
         heads = self.heads()
@@ -257,33 +280,76 @@ class Reader:
             page=PageInfo(number=page, per_page=per_page, rows=len(history.commits), pages=pages),
             rows=[_row(commit, index) for commit in window],
             series=self._charts(history, index),
+            fork=self._beside_parent(history, index, heads),
+            strip=strip(
+                [
+                    _cell(n, _row(commit, index))
+                    for n, commit in sorted(history.by_generation.items())
+                ]
+            ),
         )
 
     def cohort(self, label: str) -> CohortView:
-        """Cohort ``label``'s lineages, each with its outcome in every generation."""
+        """Cohort ``label``'s lineages: their outcome grid, shares and overlaid curves."""
         heads = self.heads()
         metas = self.metadata(heads)
         names = in_cohort(metas, label)
         if not names:
             raise NotFound(f"no cohort {label!r}")
-        rows = []
+        return self._group(label, names, heads, metas)
+
+    def chosen(self, names: Sequence[str]) -> CohortView:
+        """The lineages ``names`` (each must exist), shown as a cohort is."""
+        heads = self.heads()
+        for name in names:
+            self.history(name, heads)
+        if not names:
+            raise NotFound("no lineage chosen; name them as ?lineages=a,b,c")
+        return self._group(None, sorted(set(names)), heads, self.metadata(heads))
+
+    def _group(
+        self,
+        label: str | None,
+        names: list[str],
+        heads: dict[str, str],
+        metas: dict[str, LineageMetadata | None],
+    ) -> CohortView:
+        rows, outcomes, sizes, spent = [], [], [], []
         for name in names:
             history = self._history(name, heads[name])
             index = self._index(name)
             numbered = {n: _row(commit, index) for n, commit in history.by_generation.items()}
+            outcomes.append({n: row.outcome for n, row in numbered.items()})
+            sizes.append((Curve(label=name, lineage=name), self._sizes(history)))
+            spent.append((Curve(label=name, lineage=name), _spent(index)))
             cells = [
-                GridCell(
-                    generation=n, outcome=found.outcome, model_unavailable=found.model_unavailable
-                )
-                if (found := numbered.get(n))
-                else None
+                _cell(n, found) if (found := numbered.get(n)) else None
                 for n in range(1, max(numbered, default=0) + 1)
             ]
             rows.append(CohortRow(summary=self._summary(history, index, metas), cells=cells))
         width = max(len(row.cells) for row in rows)
         for row in rows:
             row.cells += [None] * (width - len(row.cells))
-        return CohortView(label=label, generations=width, rows=rows)
+        lived, changed = shares(outcomes)
+        return CohortView(
+            label=label,
+            generations=width,
+            rows=rows,
+            shares=overlay(
+                "shares",
+                "Lineages that lived and changed",
+                "%",
+                [
+                    (Curve(label="lived (did not die)", lineage=None), lived),
+                    (Curve(label="changed the organism", lineage=None), changed),
+                ],
+                with_median=False,
+            ),
+            overlays=[
+                overlay("organism", "Organism size", "bytes", sizes, with_median=True),
+                overlay("spent", "Cumulative spend", "USD", spent, with_median=True),
+            ],
+        )
 
     # -- generations ----------------------------------------------------------
 
@@ -299,16 +365,23 @@ class Reader:
         lethal = blobs.get(specs[-1]) if len(specs) == 2 else None
         numbers = sorted(history.by_generation)
         position = numbers.index(number)
+        observation = self._observation(name, commit)
+        row = _row(commit, self._index(name))
         return GenerationView(
             lineage=name,
-            row=_row(commit, self._index(name)),
+            row=row,
             parent=parent,
             previous=numbers[position - 1] if position > 0 else None,
             next=numbers[position + 1] if position + 1 < len(numbers) else None,
             journal=journal_entry(_text(journal), number) if journal is not None else None,
             diff=self._diff(parent, commit.sha),
-            observation=self._observation(name, commit),
+            observation=observation,
             lethal_body=_text(lethal[:LETHAL_BODY_BYTES]) if lethal is not None else None,
+            first_error=(
+                first_error(observation.stderr)
+                if observation is not None and is_death(row.outcome)
+                else None
+            ),
             replay=self._replay(name, commit),
         )
 
@@ -456,29 +529,87 @@ class Reader:
             for n, commit in numbered
             if is_death(outcome := _row(commit, index).outcome)
         ]
-        sizes = self._organism_sizes([commit.sha for _, commit in numbered])
-        organism = _bucketed(
-            "organism",
-            "Organism size",
-            "bytes",
-            [(n, sizes.get(commit.sha)) for n, commit in numbered],
-        )
-        charts = [organism, *(index.series if index else [])]
+        organism = bucketed("organism", "Organism size", "bytes", self._sizes(history))
+        lines = self._organism_lines([commit.sha for _, commit in numbered])
+        counted = [(n, lines.get(commit.sha)) for n, commit in numbered]
+        charts = [
+            organism,
+            bucketed("lines", "Organism lines", "lines", counted),
+            *(index.series if index else []),
+        ]
         return [series.model_copy(update={"deaths": deaths}) for series in charts if series.points]
+
+    def _beside_parent(
+        self, history: History, index: IndexView | None, heads: dict[str, str]
+    ) -> list[Overlay]:
+        """A fork's size and spend beside its parent's after the fork point (none: a root,
+        or a parent no longer here)."""
+        parentage = history.metadata.parent if history.metadata else None
+        if parentage is None or parentage.lineage not in heads:
+            return []
+        parent = self._history(parentage.lineage, heads[parentage.lineage])
+        fork_at = parentage.generation
+        child = Curve(label=history.name, lineage=history.name)
+        elder = Curve(label=f"{parent.name} (parent)", lineage=parent.name, offset=fork_at)
+        axis = f"generations since the fork ({parent.name} generation {fork_at})"
+        elder_spent = _spent(self._index(parent.name), after=fork_at)
+        return [
+            overlay(
+                "fork-organism",
+                "Organism size beside the parent",
+                "bytes",
+                [(child, self._sizes(history)), (elder, since(self._sizes(parent), fork_at))],
+                with_median=False,
+                axis=axis,
+            ),
+            overlay(
+                "fork-spent",
+                "Cumulative spend beside the parent",
+                "USD",
+                [(child, _spent(index)), (elder, since(elder_spent, fork_at))],
+                with_median=False,
+                axis=axis,
+            ),
+        ]
+
+    def _sizes(self, history: History) -> list[tuple[int, float]]:
+        """organism.el's size in bytes at each numbered generation of ``history``."""
+        numbered = sorted(history.by_generation.items())
+        sizes = self._organism_sizes([commit.sha for _, commit in numbered])
+        return [(n, sizes[commit.sha]) for n, commit in numbered if commit.sha in sizes]
 
     def _organism_sizes(self, commits: list[str]) -> dict[str, float]:
         """organism.el's size at each commit, asked of git once per commit (they never change)."""
-        unknown = [sha for sha in commits if sha not in self._sizes]
+        unknown = [sha for sha in commits if sha not in self._bodies]
         if unknown:
             out = self.git.run(
                 "cat-file",
-                "--batch-check=%(objectsize)",
+                "--batch-check=%(objectname) %(objectsize)",
                 input="".join(f"{sha}:{ORGANISM_PATH}\n" for sha in unknown).encode(),
             ).stdout.decode()
             with self._lock:
                 for sha, line in zip(unknown, out.splitlines(), strict=True):
-                    self._sizes[sha] = float(line) if line.isdigit() else None
-        return {sha: size for sha in commits if (size := self._sizes.get(sha)) is not None}
+                    blob, _, size = line.partition(" ")
+                    self._bodies[sha] = (blob, float(size)) if size.isdigit() else None
+        return {sha: found[1] for sha in commits if (found := self._bodies.get(sha))}
+
+    def _organism_lines(self, commits: list[str]) -> dict[str, float]:
+        """organism.el's lines at each commit, each distinct body read from git once."""
+        self._organism_sizes(commits)
+        blobs = {found[0] for sha in commits if (found := self._bodies.get(sha))}
+        unknown = sorted(blobs - self._lines.keys())
+        for start in range(0, len(unknown), LINES_BATCH):
+            read = self.git.blobs(unknown[start : start + LINES_BATCH])
+            with self._lock:
+                for blob, raw in read.items():
+                    if raw is not None:
+                        self._lines[blob] = float(len(raw.splitlines()))
+        lines = {}
+        for sha in commits:
+            found = self._bodies.get(sha)
+            if found and found[0] in self._lines:
+                lines[sha] = self._lines[found[0]]
+        return lines
 
     def _index(self, name: str) -> IndexView | None:
         """The lineage's index: its segments and any pre-segment index object, each
@@ -555,16 +686,12 @@ class Reader:
         history: History,
         index: IndexView | None = None,
         metas: dict[str, LineageMetadata | None] | None = None,
+        kids: dict[str, list[Child]] | None = None,
     ) -> LineageSummary:
         index = index if index is not None else self._index(history.name)
         metas = metas if metas is not None else self.metadata()
-        outcomes: Counter[str] = Counter()
-        observed = unavailable = 0
-        for commit in history.by_generation.values():
-            figures = _figures(commit, index)
-            observed += figures is not None
-            outcomes[_outcome_class(figures.outcome if figures else commit.kind)] += 1
-            unavailable += figures.model_unavailable if figures else commit.model_unavailable
+        kids = kids if kids is not None else offspring(metas)
+        tally = self._tally(history, index)
         latest = max(history.by_generation, default=0)
         last = history.by_generation.get(latest)
         last_entry = index.entries.get(latest) if index else None
@@ -587,8 +714,8 @@ class Reader:
                 history.metadata.instrument_fingerprint if history.metadata else None
             ),
             generations=latest,
-            outcomes=dict(outcomes),
-            model_unavailable=unavailable,
+            outcomes=dict(tally.outcomes),
+            model_unavailable=tally.unavailable,
             out_of_loop=len(history.commits) - history.numbered,
             last_generation_at=(
                 last_entry.finished_at
@@ -598,13 +725,34 @@ class Reader:
                 else None
             ),
             spent_usd=index.spent_usd if index else None,
-            observed=observed,
-            backlog=history.numbered - observed if fleet else None,
+            observed=tally.observed,
+            backlog=history.numbered - tally.observed if fleet else None,
             run=progress,
             parent=history.metadata.parent if history.metadata else None,
-            children=[child.lineage for child in children(history.name, metas)],
+            children=[child.lineage for child in kids.get(history.name, [])],
             cohort=history.metadata.cohort if history.metadata else None,
+            deaths=dict(tally.deaths),
+            last_outcome=_outcome(last, index) if last else None,
         )
+
+    def _tally(self, history: History, index: IndexView | None) -> Tally:
+        """The lineage's outcome counts, counted again only when its head or its index
+        changed (the index view is the same object while its bytes are the same)."""
+        cached = self._tallies.get(history.name)
+        if cached is not None and cached[0] == history.head and cached[1] is index:
+            return cached[2]
+        tally = Tally(Counter(), Counter(), 0, 0)
+        for commit in history.by_generation.values():
+            figures = _figures(commit, index)
+            tally.observed += figures is not None
+            outcome = figures.outcome if figures else commit.kind
+            tally.outcomes[_outcome_class(outcome)] += 1
+            if is_death(outcome):
+                tally.deaths[outcome] += 1
+            tally.unavailable += figures.model_unavailable if figures else commit.model_unavailable
+        with self._lock:
+            self._tallies[history.name] = (history.head, index, tally)
+        return tally
 
     def _diff(self, old: str | None, new: str) -> list[FileDiff]:
         """Per-path changes, organism.el first, then the other paths in git's order."""
@@ -703,6 +851,18 @@ def _figures(commit: Commit, index: IndexView | None) -> IndexEntry | None:
     return entry if entry is not None and entry.lineage_commit == commit.sha else None
 
 
+def _cell(generation: int, row: GenerationRow) -> GridCell:
+    return GridCell(
+        generation=generation, outcome=row.outcome, model_unavailable=row.model_unavailable
+    )
+
+
+def _outcome(commit: Commit, index: IndexView | None) -> str:
+    """What ``_row(commit, index).outcome`` says, without building the row."""
+    figures = _figures(commit, index)
+    return figures.outcome if figures else commit.kind
+
+
 def _row(commit: Commit, index: IndexView | None) -> GenerationRow:
     return GenerationRow(commit=commit.view(), figures=_figures(commit, index))
 
@@ -715,13 +875,15 @@ def _progress(run: RunRecord, history: History, index: IndexView | None) -> Prog
     return run_progress(run, history.numbered, index.entries.values() if index else ())
 
 
+def _spent(index: IndexView | None, after: int = 0) -> list[tuple[int, float]]:
+    """The lineage's cumulative spend at each observed generation (counted from ``after``)."""
+    entries = sorted(index.entries.items()) if index else []
+    return cumulative((n, float(entry.spent_usd)) for n, entry in entries if n > after)
+
+
 def _series(entries: list[IndexEntry]) -> list[Series]:
     """Figures across generations from the index, bucketed to CHART_POINTS."""
-    spent = Decimal(0)
-    cumulative = []
-    for entry in entries:
-        spent += entry.spent_usd
-        cumulative.append((entry.generation, float(spent)))
+    spent = cumulative((entry.generation, float(entry.spent_usd)) for entry in entries)
     charts: list[tuple[str, str, str, Callable[[IndexEntry], float | None]]] = [
         ("files", "Files published", "files", lambda e: e.published_files),
         ("duration", "Duration", "s", lambda e: e.duration_seconds),
@@ -733,26 +895,13 @@ def _series(entries: list[IndexEntry]) -> list[Series]:
         ),
         ("cost", "Cost", "USD", lambda e: float(e.spent_usd)),
         ("calls", "Model calls", "calls", lambda e: e.model_calls),
+        ("tokens", "Tokens (input and output)", "tokens", lambda e: e.tokens),
     ]
     series = [
-        _bucketed(key, title, unit, [(e.generation, value(e)) for e in entries])
+        bucketed(key, title, unit, [(e.generation, value(e)) for e in entries])
         for key, title, unit, value in charts
     ]
-    return [_bucketed("spent", "Cumulative spend", "USD", cumulative), *series]
-
-
-def _bucketed(
-    key: str, title: str, unit: str, values: Sequence[tuple[int, float | None]]
-) -> Series:
-    """One series of (generation, value) pairs, each bucket's maximum, at most CHART_POINTS."""
-    bucket = max(1, -(-len(values) // CHART_POINTS))
-    points = []
-    for start in range(0, len(values), bucket):
-        chunk = values[start : start + bucket]
-        known = [value for _, value in chunk if value is not None]
-        if known:
-            points.append(SeriesPoint(generation=chunk[0][0], value=max(known)))
-    return Series(key=key, title=title, unit=unit, bucket=bucket, points=points)
+    return [bucketed("spent", "Cumulative spend", "USD", spent), *series]
 
 
 def _metadata(raw: bytes | None) -> LineageMetadata | None:

@@ -96,6 +96,10 @@ class LineageSummary(BaseModel):
     children: list[str] = []
     # The cohort in its root metadata (None: in none, or imported).
     cohort: str | None = None
+    # Its deaths by kind (``outcomes`` counts them together as "died").
+    deaths: dict[str, int] = {}
+    # The outcome of its latest generation (None before its first).
+    last_outcome: str | None = None
 
 
 class PageInfo(BaseModel):
@@ -129,6 +133,40 @@ class Series(BaseModel):
     deaths: list[DeathMark] = []
 
 
+class GridCell(BaseModel):
+    """One generation of one lineage in a cohort's outcome grid."""
+
+    generation: int
+    outcome: str
+    model_unavailable: bool = False
+
+
+class Curve(BaseModel):
+    """One line of an overlay. A lineage's point at ``generation`` x is its generation
+    x + ``offset`` (a parent drawn from a fork point), whose page it links; a line that is
+    no lineage's (a share of the cohort) has ``lineage`` None and links nowhere."""
+
+    label: str
+    lineage: str | None
+    offset: int = 0
+    points: list[SeriesPoint] = []
+
+
+class Overlay(BaseModel):
+    """Several lineages' curves of one figure on shared axes, with their median."""
+
+    key: str
+    title: str
+    unit: str
+    # What the x axis counts: "generation", or "generations since the fork".
+    axis: str = "generation"
+    # Generations per point: each point is the maximum of a bucket of this many.
+    bucket: int = 1
+    curves: list[Curve]
+    # At each generation, the median of the curves that reach it (None: not drawn).
+    median: list[SeriesPoint] | None = None
+
+
 class LineageView(BaseModel):
     summary: LineageSummary
     metadata: LineageMetadata | None
@@ -138,6 +176,10 @@ class LineageView(BaseModel):
     page: PageInfo
     rows: list[GenerationRow]
     series: list[Series]
+    # A fork's size and spend beside its parent's, from the fork point on (none: a root).
+    fork: list[Overlay] = []
+    # Every generation's outcome, oldest first (a square may stand for several).
+    strip: list[GridCell] = []
 
 
 class FileDiff(BaseModel):
@@ -161,6 +203,8 @@ class GenerationView(BaseModel):
     diff: list[FileDiff]
     observation: Observation | None
     lethal_body: str | None
+    # A death's first error as Emacs printed it, found in the full stderr (None: none found).
+    first_error: str | None = None
     # The latest replay of the generation (``schedule-lineage replay``), if any.
     replay: ReplayReport | None = None
 
@@ -197,14 +241,6 @@ class QueueWait(BaseModel):
     advice: str
 
 
-class GridCell(BaseModel):
-    """One generation of one lineage in a cohort's outcome grid."""
-
-    generation: int
-    outcome: str
-    model_unavailable: bool = False
-
-
 class CohortRow(BaseModel):
     summary: LineageSummary
     # Generation N is cells[N - 1]; None where the lineage has no generation N yet.
@@ -212,11 +248,16 @@ class CohortRow(BaseModel):
 
 
 class CohortView(BaseModel):
-    """A cohort's lineages and their outcome grid (lineage x generation)."""
+    """A cohort's (or a chosen set's) lineages: their outcome grid (lineage x generation),
+    the share of them that lived and that changed at each generation, and their size and
+    cumulative spend overlaid with the median."""
 
-    label: str
+    # The cohort's label; None for a set of lineages chosen by name.
+    label: str | None
     generations: int
     rows: list[CohortRow]
+    shares: Overlay | None = None
+    overlays: list[Overlay] = []
 
 
 class Overview(BaseModel):

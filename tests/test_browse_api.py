@@ -71,9 +71,11 @@ def test_lineage_page_and_api_show_generations_and_unnumbered_commits(served: Se
         "seed",
     ]
     fleet_page = served.get("/lineages/xss").text
-    # Organism size, cumulative spend, files, duration, memory, cost, calls; the death marked.
-    assert fleet_page.count("<svg") == 7 and "<polyline" in fleet_page
-    assert fleet_page.count('<a href="/lineages/xss/generations/2" class="death-mark">') == 7
+    # Organism size and lines, cumulative spend, files, duration, memory, cost, calls and
+    # tokens, the death marked on each; and the strip of outcomes.
+    assert fleet_page.count("<svg") == 10 and "<polyline" in fleet_page
+    assert fleet_page.count('<a href="/lineages/xss/generations/2" class="death-mark">') == 9
+    assert 'id="strip"' in fleet_page
     assert "wall_seconds" in fleet_page
 
 

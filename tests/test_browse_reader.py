@@ -97,8 +97,10 @@ def test_fixture_reads_as_five_generations_one_death_and_unnumbered_edits(
     assert summary.outcomes == {"died": 1, "changed": 2, "no-change": 2}
     assert summary.out_of_loop == 5
     assert summary.backlog is None and summary.spent_usd is None
-    # No figures are indexed, but git still tells the organism's size and the deaths.
-    assert [series.key for series in view.series] == ["organism"]
+    # Deaths by kind: without observations, only the subject's "died" is known.
+    assert summary.deaths == {"died": 1}
+    # No figures are indexed, but git still tells the organism's size, its lines and the deaths.
+    assert [series.key for series in view.series] == ["organism", "lines"]
     assert [mark.generation for mark in view.series[0].deaths] == [1]
 
     death = fixture_reader.generation("sample", 1)

@@ -46,6 +46,9 @@ def test_organism_text_is_escaped_on_every_page(served: Served) -> None:
     assert f"error: <code>{PAYLOAD_ESCAPED}" in generation_1
     death = served.get("/lineages/xss/generations/2").text
     assert death.count(PAYLOAD_ESCAPED) >= 4  # lethal body, journal lines, stderr, ...
+    # The first error Emacs printed leads the page, escaped as every other organism text.
+    first = f'<pre class="wrap">Debugger entered--Lisp error: (error &#34;{PAYLOAD_ESCAPED}'
+    assert first in death.split('id="first-error"')[1].split("</section>")[0]
     assert f"external edit: {PAYLOAD_ESCAPED}" in served.get("/lineages/xss").text
     # The JSON API carries the same text as data, unchanged.
     api = served.get("/api/lineages/xss/generations/2").json()

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import get_args
 
 import pytest
 from pydantic import ValidationError
+from support.browse import Served, settings_of
+from support.cohort import write_cohort
 from support.fleet import SMALL_PHYSICS, Fleet
 
+from scheduler.views import CohortView
+from scheduler.web.api import ErrorBody
 from scheduler.web.render import GRID_MARKS
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.physics import Physics
@@ -146,3 +151,59 @@ def test_run_over_a_cohort_starts_a_run_for_each_of_its_lineages(fleet: Fleet) -
         "run", "--cohort", "nope", "--generations", "1"
     )
     assert "--cohort LABEL" in fleet.refused("run", "--generations", "1")
+
+
+@pytest.mark.full
+def test_the_cohort_api_answers_its_grid_shares_and_curves_with_their_median(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    plans = {
+        "trio-1": ["changed", "changed"],
+        "trio-2": ["changed", "process_exit", "changed"],
+        "trio-3": ["no-change", "cgroup_oom"],
+    }
+    write_cohort(settings_of(fleet), "trio", plans)
+    fleet.ok("init", "alone")
+    served = Served(fleet, tmp_path / "serve.log")
+    try:
+        view = CohortView.model_validate(served.get("/api/cohorts/trio").json())
+        assert view.label == "trio" and view.generations == 3
+        assert [row.summary.name for row in view.rows] == list(plans)
+        assert [[c.outcome if c else None for c in row.cells] for row in view.rows] == [
+            ["changed", "changed", None],
+            ["changed", "process_exit", "changed"],
+            ["no-change", "cgroup_oom", None],
+        ]
+        assert view.rows[1].summary.deaths == {"process_exit": 1}
+        assert view.shares is not None
+        lived, changed = (
+            [(p.generation, round(p.value)) for p in c.points] for c in view.shares.curves
+        )
+        assert lived == [(1, 100), (2, 33), (3, 100)]
+        assert changed == [(1, 67), (2, 33), (3, 100)]
+        organism, spent = view.overlays
+        assert [c.lineage for c in organism.curves] == list(plans)
+        # Sizes at generation 1: 19, 19 and 8 bytes; the median 19.
+        assert organism.median is not None and organism.median[0].value == 19
+        assert spent.median is not None and [p.generation for p in spent.median] == [1, 2, 3]
+
+        chosen = CohortView.model_validate(served.get("/api/cohorts?lineages=trio-3,alone").json())
+        assert chosen.label is None
+        assert [row.summary.name for row in chosen.rows] == ["alone", "trio-3"]
+        for path in (
+            "/api/cohorts/absent",
+            "/api/cohorts/Bad%20label",
+            "/api/cohorts?lineages=nope",
+        ):
+            reply = served.get(path)
+            assert reply.status_code == 404, path
+            ErrorBody.model_validate(reply.json())
+        assert served.get("/api/cohorts").status_code == 422
+        paths = served.get("/openapi.json").json()["paths"]
+        assert paths["/api/cohorts/{label}"]["get"]["responses"]["200"]["content"][
+            "application/json"
+        ]["schema"] == {"$ref": "#/components/schemas/CohortView"}
+        assert "/api/cohorts" in paths
+    finally:
+        served.stop()

@@ -1,23 +1,31 @@
 """The JSON API: the web pages' data under /api/, one route per page.
 
 Owns the JSON mirror of every page (overview, lineage, generation, compare,
-family) and the documentation of every status it answers. Responses are the
-reader's pydantic view models, so the OpenAPI schema documents them exactly; the
-errors (404 for no such lineage, generation or family; 503 for an unreachable
-observation store) carry ``ErrorBody``, and 422 (a query parameter out of range) is
-FastAPI's own validation body. Nothing here renders or escapes: JSON is data.
+family, cohort and a chosen set of lineages) and the documentation of every status it
+answers. Responses are the reader's pydantic view models, so the OpenAPI schema
+documents them exactly; the errors (404 for no such lineage, generation, family or
+cohort; 503 for an unreachable observation store) carry ``ErrorBody``, and 422 (a query
+parameter out of range) is FastAPI's own validation body. Nothing here renders or
+escapes: JSON is data.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
 from scheduler.reader import DEFAULT_PER_PAGE, MAX_PER_PAGE, parse_generation
-from scheduler.views import CompareView, FamilyView, GenerationView, LineageView, Overview
-from scheduler.web.deps import lineage_view, overview, reader_of, seed_sha
+from scheduler.views import (
+    CohortView,
+    CompareView,
+    FamilyView,
+    GenerationView,
+    LineageView,
+    Overview,
+)
+from scheduler.web.deps import chosen_names, lineage_view, overview, reader_of, seed_sha
 
 
 class ErrorBody(BaseModel):
@@ -30,7 +38,7 @@ UNAVAILABLE: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorBody, "description": "The observation store did not answer."}
 }
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
-    404: {"model": ErrorBody, "description": "No such lineage, generation or family."},
+    404: {"model": ErrorBody, "description": "No such lineage, generation, family or cohort."},
     **UNAVAILABLE,
 }
 
@@ -72,3 +80,15 @@ def compare(request: Request, name: str, a: str, b: str) -> CompareView:
 def family(request: Request, seed: str) -> FamilyView:
     """Every lineage whose seed organism has this sha256."""
     return reader_of(request).family(seed_sha(seed))
+
+
+@router.get("/cohorts/{label}", response_model=CohortView, responses=NOT_FOUND)
+def cohort(request: Request, label: str) -> CohortView:
+    """A cohort: its outcome grid, the share that lived and changed, overlaid curves."""
+    return reader_of(request).cohort(label)
+
+
+@router.get("/cohorts", response_model=CohortView, responses=NOT_FOUND)
+def chosen(request: Request, lineages: Annotated[list[str], Query()]) -> CohortView:
+    """Lineages chosen by name (``?lineages=a,b,c``), answered as a cohort is (no label)."""
+    return reader_of(request).chosen(chosen_names(lineages))

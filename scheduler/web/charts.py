@@ -1,24 +1,29 @@
 """Server-rendered line charts: geometry for an inline SVG, no script, no CDN.
 
-Owns turning one ``Series`` (already bucketed by the reader to a few hundred
-points) into plot coordinates, axis labels, a hover target per point and a marker per
-death (each a link to its generation's page, titled with the kind of death). The
-template draws them; every value here is a number computed from trusted figures, and
-labels are our own text or an outcome from the fixed vocabulary.
+Owns the plot's frame and scales (shared with ``overlays``), turning one ``Series``
+(already bucketed by the reader to a few hundred points) into plot coordinates, axis
+labels, a hover target per point and a marker per death (each a link to its
+generation's page, titled and lettered with the kind of death), and a lineage's strip
+of outcomes. The template draws them; every value here is a number computed from
+trusted figures, and labels are our own text or an outcome from the fixed vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from pydantic import BaseModel
 
-from scheduler.views import Series
+from scheduler.views import GridCell, Series
 
 WIDTH = 640
 HEIGHT = 180
 LEFT = 64
 RIGHT = 12
-TOP = 12
+TOP = 20
 BOTTOM = 28
+PLOT_WIDTH = WIDTH - LEFT - RIGHT
+PLOT_HEIGHT = HEIGHT - TOP - BOTTOM
 
 
 class Dot(BaseModel):
@@ -34,6 +39,15 @@ class Mark(BaseModel):
     """A death's vertical marker."""
 
     x: float
+    generation: int
+    outcome: str
+
+
+class Square(BaseModel):
+    """One generation (or bucket of them) in a lineage's strip of outcomes."""
+
+    x: float
+    width: float
     generation: int
     outcome: str
 
@@ -64,18 +78,13 @@ def chart(series: Series) -> Chart | None:
     generations = [p.generation for p in series.points] + [d.generation for d in series.deaths]
     first, last = min(generations), max(generations)
     peak = max(point.value for point in series.points) or 1.0
-    span = max(1, last - first)
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
-
-    def x(generation: int) -> float:
-        return round(LEFT + (generation - first) / span * plot_w, 1)
-
+    x, y = scales(first, last, peak)
     dots = [
         Dot(
             x=x(p.generation),
-            y=round(TOP + plot_h - p.value / peak * plot_h, 1),
+            y=y(p.value),
             generation=p.generation,
-            label=_label(p.value, series.unit),
+            label=label(p.value, series.unit),
         )
         for p in series.points
     ]
@@ -91,13 +100,47 @@ def chart(series: Series) -> Chart | None:
         points=coordinates,
         first_generation=first,
         last_generation=last,
-        top_label=_label(peak, series.unit),
+        top_label=label(peak, series.unit),
         dots=dots,
         deaths=deaths,
     )
 
 
-def _label(value: float, unit: str) -> str:
+def scales(
+    first: int, last: int, peak: float
+) -> tuple[Callable[[int], float], Callable[[float], float]]:
+    """Where generation ``first``..``last`` and value 0..``peak`` fall on the plot."""
+    span = max(1, last - first)
+
+    def x(generation: int) -> float:
+        return round(LEFT + (generation - first) / span * PLOT_WIDTH, 1)
+
+    def y(value: float) -> float:
+        return round(TOP + PLOT_HEIGHT - value / peak * PLOT_HEIGHT, 1)
+
+    return x, y
+
+
+def strip(cells: Sequence[GridCell]) -> list[Square]:
+    """A lineage's outcomes side by side across the plot's width, in generation order."""
+    if not cells:
+        return []
+    width = PLOT_WIDTH / len(cells)
+    return [
+        Square(
+            x=round(LEFT + i * width, 2),
+            width=round(width, 2),
+            generation=c.generation,
+            outcome=c.outcome,
+        )
+        for i, c in enumerate(cells)
+    ]
+
+
+def label(value: float, unit: str) -> str:
+    """A value as its hover title and axis label say it."""
     if unit == "USD":
         return f"${value:.4f}"
+    if unit == "%":
+        return f"{value:.0f}%"
     return f"{value:.3g} {unit}"

@@ -102,6 +102,11 @@ def _waits(request: Request, lineages: list[LineageSummary], workers: Workers) -
     return waits
 
 
+def chosen_names(values: list[str]) -> list[str]:
+    """Lineage names given as ``?lineages=a,b,c``, the parameter repeated, or both."""
+    return [name for value in values for name in value.split(",") if name]
+
+
 def seed_sha(text: str) -> str:
     if not _SEED_SHA.match(text):
         raise NotFound(f"no family {text!r}")

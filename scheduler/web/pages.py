@@ -6,31 +6,45 @@ model the JSON API returns for the mirror URL. Templates escape everything.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from scheduler.reader import DEFAULT_PER_PAGE, MAX_PER_PAGE, parse_generation
-from scheduler.web.deps import lineage_view, overview, reader_of, seed_sha
+from scheduler.web.deps import chosen_names, lineage_view, overview, reader_of, seed_sha
+from scheduler.web.listing import SORT_KEYS, ListingQuery, listing
 from scheduler.web.render import templates
 
 router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
 
 
 @router.get("/")
-def fleet(request: Request, cohort: str = "") -> Response:
-    """The overview; ``?cohort=LABEL`` shows that cohort's lineages alone."""
+def fleet(request: Request, query: Annotated[ListingQuery, Query()]) -> Response:
+    """The overview: its lineages filtered, sorted and paginated as ``query`` says.
+
+    The filter form sends every field, empty or default ones too: such a query is sent
+    on to its shortest spelling, the one every link of the page uses.
+    """
+    canonical = query.href(page=query.page)
+    if request.url.query and canonical != f"/?{request.url.query}":
+        return RedirectResponse(canonical, status_code=303)
     view = overview(request)
-    cohorts = sorted({lineage.cohort for lineage in view.lineages if lineage.cohort})
-    if cohort:
-        shown = [lineage for lineage in view.lineages if lineage.cohort == cohort]
-        view = view.model_copy(update={"lineages": shown})
-    context = {"view": view, "cohorts": cohorts, "chosen": cohort}
+    shown = listing(view.lineages, query)
+    context = {"view": view, "listing": shown, "q": shown.query, "sort_keys": SORT_KEYS}
     return templates.TemplateResponse(request, "overview.html", context)
 
 
 @router.get("/cohorts/{label}")
 def cohort(request: Request, label: str) -> Response:
     view = reader_of(request).cohort(label)
+    return templates.TemplateResponse(request, "cohort.html", {"view": view})
+
+
+@router.get("/cohorts")
+def chosen(request: Request, lineages: Annotated[list[str], Query()]) -> Response:
+    """Lineages chosen by name (``?lineages=a,b,c`` or ``lineages`` repeated) as a cohort."""
+    view = reader_of(request).chosen(chosen_names(lineages))
     return templates.TemplateResponse(request, "cohort.html", {"view": view})
 
 

@@ -30,7 +30,8 @@ from starlette.templating import Jinja2Templates
 
 from scheduler.legible import INVISIBLE, UNSAFE, describe
 from scheduler.views import is_death
-from scheduler.web.charts import chart
+from scheduler.web.charts import chart, strip
+from scheduler.web.overlays import plot
 
 
 def _mib(value: int | None) -> str:
@@ -145,6 +146,8 @@ def environment() -> Environment:
     env.globals["grid_marks"] = GRID_MARKS
     env.tests["death"] = is_death
     env.globals["chart"] = chart
+    env.globals["plot"] = plot
+    env.globals["strip"] = strip
     return env
 
 

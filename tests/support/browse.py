@@ -135,7 +135,10 @@ def write_hostile_lineage(settings: Settings, name: str = "xss", payload: str = 
     land(dict(tree, **{"notes.txt": blob(payload)}), f"external edit: {payload}")
     gen2_parent = head
     # A terminal escape too: the CLI must not let it act on the reader's terminal.
-    stderr = f'first line\n{payload}\n\x1b[2J(error "{payload}")\n'
+    stderr = (
+        f'first line\n{payload}\nDebugger entered--Lisp error: (error "{payload}")\n'
+        f'\x1b[2J(error "{payload}")\n'
+    )
     log = journal.append(log, journal.entry_died(2, 255, stderr, when))
     tree[JOURNAL_PATH] = blob(log)
     gen2 = land(dict(tree), journal.subject_died(2, 255))

@@ -3,7 +3,7 @@
 ``watched_page`` opens one page that records every console error, script error,
 dialog and request to anywhere but the served UI, so a test can assert that the UI ran
 nothing and fetched nothing from elsewhere; ``Watched.shot`` keeps a screenshot in the
-test's directory.
+test's directory (of the whole page, or of one element).
 """
 
 from __future__ import annotations
@@ -52,8 +52,22 @@ class Watched:
         if not request.url.startswith((self.base, "data:")):
             self.foreign.append(request.url)
 
-    def shot(self, name: str) -> None:
-        self.page.screenshot(path=str(self.shots / f"{name}.png"), full_page=True)
+    def shot(self, name: str, selector: str | None = None, *, top: bool = False) -> None:
+        """The whole page, the element ``selector`` finds, or (``top``) the page from its
+        top down to that element's bottom, as ``NAME.png``."""
+        path = str(self.shots / f"{name}.png")
+        if selector is None:
+            self.page.screenshot(path=path, full_page=True)
+            return
+        element = self.page.locator(selector)
+        if not top:
+            element.screenshot(path=path)
+            return
+        box = element.bounding_box()
+        width = self.page.viewport_size
+        assert box is not None and width is not None, selector
+        clip = {"x": 0, "y": 0, "width": width["width"], "height": box["y"] + box["height"] + 8}
+        self.page.screenshot(path=path, clip=clip)  # type: ignore[arg-type]
 
 
 @contextmanager

@@ -230,6 +230,8 @@ class IndexEntry(BaseModel):
     model_unavailable: bool = False
     # Files of the published tree; None in an entry indexed before it was kept here.
     published_files: int | None = None
+    # Input and output tokens of every call; None in an entry indexed before it was kept.
+    tokens: int | None = None
 
     @classmethod
     def of(cls, observation: Observation) -> IndexEntry:
@@ -248,6 +250,7 @@ class IndexEntry(BaseModel):
             run_budget_exhausted=observation.run_budget_exhausted,
             model_unavailable=observation.model_unavailable,
             published_files=observation.published_files,
+            tokens=sum(call.input_tokens + call.output_tokens for call in observation.model_calls),
         )
 
 
