@@ -97,6 +97,7 @@ class BenchFleet:
         *,
         with_redis: bool = True,
         redis_appendonly: bool = False,
+        redis_password: str | None = None,
     ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix=f"ouro-bench-{prefix}-"))
         self.keep = keep
@@ -106,7 +107,9 @@ class BenchFleet:
             # In-process pipeline only: never contacted, but settings want a URL.
             redis_url = redis_url or "redis://127.0.0.1:1/0"
         elif redis_url is None:
-            self.redis = PrivateRedis(self.root / "redis", appendonly=redis_appendonly)
+            self.redis = PrivateRedis(
+                self.root / "redis", appendonly=redis_appendonly, password=redis_password
+            )
             redis_url = self.redis.url
         else:
             _flush(redis_url)
@@ -184,8 +187,10 @@ class BenchFleet:
         """``schedule-lineage ARGS`` as a subprocess, which must succeed."""
         return self.fleet.ok(*args, timeout=timeout)
 
-    def start_worker(self, name: str, concurrency: int = 1, **env: str) -> Worker:
-        worker = Worker(self.fleet, name, concurrency=concurrency, **env)
+    def start_worker(
+        self, name: str, concurrency: int = 1, *, as_deployed: bool = False, **env: str
+    ) -> Worker:
+        worker = Worker(self.fleet, name, concurrency=concurrency, as_deployed=as_deployed, **env)
         self.workers.append(worker)
         worker.wait_ready()
         return worker

@@ -336,10 +336,20 @@ def helper_name(argv: list[str]) -> str:
 
 
 class Worker:
-    """A real ``celery -A worker worker`` process in its own process group."""
+    """A real ``celery -A worker worker`` process in its own process group.
+
+    Without gossip and mingle unless ``as_deployed``: the deployment's units run the
+    worker with both (their traffic is what a cost measurement must see).
+    """
 
     def __init__(
-        self, fleet: Fleet, name: str, *extra_args: str, concurrency: int = 1, **env: str
+        self,
+        fleet: Fleet,
+        name: str,
+        *extra_args: str,
+        concurrency: int = 1,
+        as_deployed: bool = False,
+        **env: str,
     ) -> None:
         self.name = name
         self.log_path = fleet.home / f"worker-{name}.log"
@@ -356,8 +366,7 @@ class Worker:
                 "-n",
                 f"{name}@%h",
                 f"--concurrency={concurrency}",
-                "--without-gossip",
-                "--without-mingle",
+                *([] if as_deployed else ["--without-gossip", "--without-mingle"]),
                 *extra_args,
             ],
             env={**fleet.env, **env},
