@@ -302,16 +302,18 @@ def run(
         wait_for(lambda: not client.exists(*keys), timeout, f"{name}: to finish", 0.2)
         return window(before, after, end_count - start_count)
 
-    def event_sizes(seconds: float) -> list[int]:
-        """Sizes of the messages the workers publish (heartbeats, task events), sampled
-        outside every window: each goes to every subscriber, every gossiping worker."""
+    def event_sizes(seconds: float) -> dict[str, list[int]]:
+        """Sizes of the messages published (heartbeats, task events) by channel, sampled
+        outside every window: each goes to every subscriber of its channel."""
         subscription = client.pubsub(ignore_subscribe_messages=True)
         subscription.psubscribe("*")
-        sizes, deadline = [], time.monotonic() + seconds
+        sizes: dict[str, list[int]] = {}
+        deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             message = subscription.get_message(timeout=left)
             if message is not None:
-                sizes.append(len(message["channel"]) + len(message["data"]))
+                channel = message["channel"].decode()
+                sizes.setdefault(channel, []).append(len(channel) + len(message["data"]))
         subscription.close()
         return sizes
 
@@ -328,7 +330,8 @@ def run(
     time.sleep(idle)
     windows["idle"] = window(before, meters(), 0)
     print(f"idle: {idle:g} s measured", flush=True)
-    subscribers = client.pubsub_numpat() + sum(n for _, n in client.pubsub_numsub())
+    subscribers = client.pubsub_numpat()
+    channels = [c.decode() for c in client.pubsub_channels()]
     sizes = event_sizes(idle / 2)
     windows["instant"] = measure("instant", worker)
     print(f"instant: {generations} generations in {windows['instant'].seconds:.1f} s", flush=True)
@@ -343,11 +346,24 @@ def run(
         flush=True,
     )
     report(windows)
-    if sizes:
+    # What the ssh connection alone costs the server: a command the forced command
+    # refuses (no git runs), as many times as a window's connections, outside windows.
+    cpu_before, refused = process_cpu(sshd_pid), 10
+    for _ in range(refused):
+        subprocess.run(
+            [str(wrapper), "-p", str(sshd.port), "root@127.0.0.1", "refused"],
+            capture_output=True,
+            timeout=120,
+        )
+    print(
+        f"\nan ssh connection whose command is refused (no git): "
+        f"{(process_cpu(sshd_pid) - cpu_before) / refused * 1000:.1f} ms of server CPU each"
+    )
+    print(f"\nthe idle worker's pattern subscriptions: {subscribers}; channels: {channels}")
+    print(f"messages published in {idle / 2:g} s of an idle worker, by channel:")
+    for channel, each in sorted(sizes.items()):
         print(
-            f"published events (heartbeats) of an idle worker: {len(sizes) / (idle / 2):.2f}/s, "
-            f"mean {sum(sizes) / len(sizes):.0f} bytes each, delivered to every subscriber "
-            f"(here {subscribers} besides the bench: the worker's gossip)"
+            f"  {channel}: {len(each) / (idle / 2):.2f}/s, mean {sum(each) / len(each):.0f} bytes"
         )
     if any("Traceback" in w.text() for w in fleet.workers):
         print("note: a worker logged a traceback; see --keep", file=sys.stderr)
