@@ -330,6 +330,7 @@ def run(
     time.sleep(idle)
     windows["idle"] = window(before, meters(), 0)
     print(f"idle: {idle:g} s measured", flush=True)
+    keys_at_rest = client.dbsize()
     subscribers = client.pubsub_numpat()
     channels = [c.decode() for c in client.pubsub_channels()]
     sizes = event_sizes(idle / 2)
@@ -360,6 +361,10 @@ def run(
         f"{(process_cpu(sshd_pid) - cpu_before) / refused * 1000:.1f} ms of server CPU each"
     )
     print(f"\nthe idle worker's pattern subscriptions: {subscribers}; channels: {channels}")
+    print(
+        f"keys in Redis with one idle worker: {keys_at_rest}; after the runs: "
+        f"{client.dbsize()} (SCAN walks the whole keyspace, COUNT 10 keys a call)"
+    )
     print(f"messages published in {idle / 2:g} s of an idle worker, by channel:")
     for channel, each in sorted(sizes.items()):
         print(
@@ -402,6 +407,9 @@ def report(windows: dict[str, Window]) -> None:
         0.0, ".1f")  # fmt: skip
     row("Redis server CPU", "ms", [per_gen(k, windows[k].redis_cpu) * 1000 for k in kinds],
         idle.redis_cpu / idle.seconds * 1000, ".1f")  # fmt: skip
+    row("Redis server CPU, marginal", "ms",
+        [marginal(k, windows[k].redis_cpu, idle.redis_cpu) * 1000 for k in kinds],
+        0.0, ".1f")  # fmt: skip
     row("repository server CPU (sshd+git)", "ms",
         [per_gen(k, windows[k].sshd_cpu) * 1000 for k in kinds],
         idle.sshd_cpu / idle.seconds * 1000, ".1f")  # fmt: skip
