@@ -89,8 +89,14 @@ LogLevel VERBOSE
 """
 # sshd as root wants its privilege-separation directory, /run/sshd, which this host
 # does not have: the test's sshd gets it on a /run of its own, in a mount namespace of
-# its own, so nothing on the host changes.
-PRIVATE_RUN = "mount -t tmpfs -o mode=0755,size=1m sshd-run /run && mkdir -m 0755 /run/sshd"
+# its own, so nothing on the host changes. In that namespace root's ~/.bashrc reads
+# as empty: bash, root's shell, runs it before every command sshd gives it (a
+# developer's pyenv set-up there forks ~100 processes a connection), where the
+# deployment's git account has git-shell as its shell and no startup files.
+PRIVATE_RUN = (
+    "mount -t tmpfs -o mode=0755,size=1m sshd-run /run && mkdir -m 0755 /run/sshd"
+    " && { [ ! -f ~root/.bashrc ] || mount --bind /dev/null ~root/.bashrc; }"
+)
 
 
 class GitSshd:
