@@ -33,6 +33,12 @@ a worker of its own (concurrency 1). Figures are per generation; "marginal" is t
 figure less the idle rate over the window's seconds (what a generation adds beyond
 the host's background, the input of the sizing model in deploy/README.md).
 
+Outside the windows: the messages the idle worker publishes, by channel and size
+(each reaches every subscriber: every gossiping worker), the keys Redis holds (the
+dead-holder sweep walks them all), and the server CPU of ssh connections whose
+command the forced command refuses (ssh without git). ``--multiplex`` gives the
+worker's ssh one kept connection (``ControlMaster``) that each git runs over.
+
 Run: ``.venv/bin/python bench/bench_shared_costs.py [--generations 20]`` as root
 (sshd). A measurement, not a test: exits 0.
 """
