@@ -789,6 +789,8 @@ def test_a_call_waiting_for_the_cap_when_the_life_ends_is_recorded_and_refunded(
     assert waiting.cost_usd == 0
     [attempt] = waiting.attempts
     assert (attempt.outcome, attempt.may_have_billed) == ("abandoned", False)
+    # It waited for the cap from its arrival until the life ended, and says so.
+    assert attempt.cap_wait_seconds >= 0.4
 
 
 # --- the organism's side of the ABI, in Emacs Lisp ---------------------------------------

@@ -243,6 +243,9 @@ class CallEngine:
             current, call.current = call.current, None
             if current is not None:
                 billed = current.sent is not None
+                if not billed and current.admission is None and current.capping is not None:
+                    # Still waiting for room under the cap: that wait was the call's too.
+                    current.cap_waited = time.monotonic() - current.capping
                 cost = call.settle(self.ledger, self._reserved(call) if billed else Decimal(0))
                 self._record(call, current, "abandoned", ABANDONED, billed=billed, cost=cost)
             call.settle(self.ledger, Decimal(0))
