@@ -793,6 +793,50 @@ def test_a_call_waiting_for_the_cap_when_the_life_ends_is_recorded_and_refunded(
     assert attempt.cap_wait_seconds >= 0.4
 
 
+def test_a_call_the_cap_left_too_little_time_is_no_failure_of_the_vendor(
+    tmp_path: Path,
+) -> None:
+    """One call at a time, each answered in 1.5 s, within a call's 2 s: the second call
+    waits for the cap until the first is answered and reaches the vendor with about 0.5 s
+    left, too little. Its cut is recorded (may have billed), but it is not the vendor's
+    failure: another lineage's calls must not pause this one as "unavailable". A call the
+    vendor itself left unanswered for its whole time still is."""
+    model = ModelSocket(
+        tmp_path / "model.sock",
+        DoubleProvider(delay_seconds=1.5),
+        Physics(model_timeout_seconds=2),
+        CONTEXT,
+        throttle=LocalThrottle(Cap(concurrent_calls=1)),
+    )
+    with model:
+        first = threading.Thread(target=request, args=(model,))
+        first.start()
+        time.sleep(0.3)
+        status, _, _ = request(model)
+        first.join(10)
+
+    assert status == 502
+    [answered, starved] = model.calls
+    assert answered.status == 200
+    [attempt] = starved.attempts
+    assert (attempt.outcome, attempt.may_have_billed) == ("abandoned", True)
+    assert attempt.cap_wait_seconds >= 0.9
+    assert "waiting for the fleet's cap" in str(attempt.error)
+    assert model.model_failure is None
+
+    alone = ModelSocket(
+        tmp_path / "alone.sock",
+        DoubleProvider(delay_seconds=3),
+        Physics(model_timeout_seconds=2),
+        CONTEXT,
+        throttle=LocalThrottle(Cap(concurrent_calls=1)),
+    )
+    with alone:
+        assert request(alone)[0] == 502
+    failure = alone.model_failure
+    assert failure is not None and failure.kind == "unavailable"
+
+
 # --- the organism's side of the ABI, in Emacs Lisp ---------------------------------------
 
 ELISP_CLIENT = r"""

@@ -135,6 +135,16 @@ class _CallFailed(Exception):
         self.reason = reason
 
 
+def _cap_starved(attempt: Attempt, arrived: float, deadline: float) -> bool:
+    """Whether the fleet's cap, not the vendor, left a late answer too little time: the
+    attempt waited for the cap and reached the vendor with less than half of the call's
+    time left. Such a cut is no failure of the vendor's (it would pause the lineage for
+    what another lineage's calls did), as a call that found no room at all is not."""
+    if attempt.sent is None or attempt.cap_waited <= 0:
+        return False
+    return deadline - attempt.sent < (deadline - arrived) / 2
+
+
 def _blame(failure: ProviderUnavailable) -> _Blame:
     if failure.refused:
         return "refused"
@@ -357,6 +367,7 @@ class CallEngine:
                 functools.partial(self._attempt, attempt, prompt, tokens, estimate, deadline)
             )
             outcome: AttemptOutcome = "failed"
+            starved = False
             try:
                 async with asyncio.timeout_at(deadline):
                     reply = await asyncio.wrap_future(future)
@@ -364,6 +375,12 @@ class CallEngine:
                 queued = future.cancel()
                 if attempt.sent is not None:
                     outcome, failure = "abandoned", ProviderUnavailable(late, may_have_billed=True)
+                    starved = _cap_starved(attempt, call.clock, deadline)
+                    if starved:
+                        failure = ProviderUnavailable(
+                            f"{late}, after {attempt.cap_waited:.1f} s waiting for the fleet's cap",
+                            may_have_billed=True,
+                        )
                 elif queued or attempt.capping is None or not self.provider.capped:
                     # Every model thread is still held by an abandoned call: never sent.
                     outcome, failure = "no_slot", ProviderUnavailable(late)
@@ -397,7 +414,7 @@ class CallEngine:
                     call.reserve(self.ledger, tokens)
                 except BudgetExhausted:
                     wait, error = None, f"{failure}; {NO_RETRY_BUDGET}"
-            if outcome != "no_slot":
+            if outcome != "no_slot" and not starved:
                 reached = failure, error
             self._record(
                 call,
