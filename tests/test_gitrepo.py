@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,32 @@ def test_repositories_are_made_without_automatic_gc(shared: Path, tmp_path: Path
         assert git(repo, "config", "gc.auto") == "0"
         assert git(repo, "config", "maintenance.auto") == "false"
         assert git(repo, "config", "receive.autogc") == "false"
+
+
+def test_caches_made_by_many_processes_at_once_are_one_whole_cache(
+    shared: Path, tmp_path: Path
+) -> None:
+    """The pool children of two workers on one host made their replay cache at their
+    first replay, at once: one failed on the other's config.lock (seen in the demo)."""
+    path = tmp_path / "cache" / "replay" / "lineages.git"
+    start = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def make() -> None:
+        start.wait()
+        try:
+            LineageCache(path, str(shared), writes_objects=False)
+        except BaseException as exc:
+            failures.append(exc)
+
+    makers = [threading.Thread(target=make) for _ in range(8)]
+    for maker in makers:
+        maker.start()
+    for maker in makers:
+        maker.join(30)
+    assert failures == []
+    assert git(path, "config", "gc.auto") == "0"
+    assert [p.name for p in path.parent.iterdir()] == ["lineages.git"]
 
 
 def test_repositories_are_made_to_refuse_rewrites_and_deletions(

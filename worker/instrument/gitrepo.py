@@ -43,11 +43,14 @@ byte of lineage content as data.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -260,6 +263,21 @@ def init_bare(path: Path) -> None:
         config[name] = value
 
 
+def init_bare_once(path: Path) -> None:
+    """Make the bare repository at ``path`` unless another process has: made aside and
+    renamed into place, so processes that make it at once (two workers' pool children
+    at their first replay) never meet each other's half-made one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        init_bare(staged)
+        with contextlib.suppress(OSError):
+            # An empty directory is replaced; another process's repository stays.
+            staged.rename(path)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
 def local_repository(url: str) -> Path | None:
     """The shared repository's path if this process opens it itself, else None.
 
@@ -364,8 +382,7 @@ class LineageCache:
         self._unwritten: dict[str, bytes] = {}
         self._known: dict[str, Lineage] = {}
         if not (cache_dir / "HEAD").exists():
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            init_bare(cache_dir)
+            init_bare_once(cache_dir)
         self.repo = pygit2.Repository(str(cache_dir))
         self._shared_path = local_repository(remote_url)
         self._shared_repo: pygit2.Repository | None = None
