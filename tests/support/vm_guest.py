@@ -167,16 +167,23 @@ class Guest:
         check: bool = True,
     ) -> subprocess.CompletedProcess[str]:
         """``command`` run by bash as root in the guest."""
+        argv = self.ssh_command(f"bash -c {shlex.quote(command)}")
         try:
-            done = subprocess.run(
-                self.ssh_command(f"bash -c {shlex.quote(command)}"),
-                input=input.decode() if isinstance(input, bytes) else input,
+            # Bytes go in as they are: a release's tarball holds binary files (PNGs).
+            raw = subprocess.run(
+                argv,
+                input=input.encode() if isinstance(input, str) else input,
                 capture_output=True,
-                text=True,
                 timeout=timeout,
             )
         except subprocess.TimeoutExpired as exc:
             raise GuestTimeout(f"guest command timed out after {timeout} s: {command}") from exc
+        done = subprocess.CompletedProcess(
+            argv,
+            raw.returncode,
+            raw.stdout.decode(errors="replace"),
+            raw.stderr.decode(errors="replace"),
+        )
         if check and done.returncode != 0:
             raise AssertionError(
                 f"guest command failed ({done.returncode}): {command}\n{done.stderr}{done.stdout}"
