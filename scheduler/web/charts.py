@@ -52,23 +52,29 @@ class Square(BaseModel):
     outcome: str
 
 
-class Chart(BaseModel):
-    key: str
-    title: str
-    unit: str
-    bucket: int
-    points: str
+class Frame(BaseModel):
+    """A plot's frame: the generations its axis spans, its top label and its geometry
+    (the same for every chart, overlays included)."""
+
     first_generation: int
     last_generation: int
     top_label: str
-    dots: list[Dot]
-    deaths: list[Mark]
     width: int = WIDTH
     height: int = HEIGHT
     left: int = LEFT
     right_edge: int = WIDTH - RIGHT
     top: int = TOP
     baseline: int = HEIGHT - BOTTOM
+
+
+class Chart(Frame):
+    key: str
+    title: str
+    unit: str
+    bucket: int
+    points: str
+    dots: list[Dot]
+    deaths: list[Mark]
 
 
 def chart(series: Series) -> Chart | None:

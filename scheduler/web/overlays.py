@@ -15,7 +15,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from scheduler.views import Overlay, SeriesPoint
-from scheduler.web.charts import BOTTOM, HEIGHT, LEFT, RIGHT, TOP, WIDTH, label, scales
+from scheduler.web.charts import Frame, label, scales
 
 # Tones a curve is drawn in, in turn; more curves than tones reuse them.
 TONES = 8
@@ -36,7 +36,7 @@ class Line(BaseModel):
     dots: list[Point]
 
 
-class OverlayChart(BaseModel):
+class OverlayChart(Frame):
     key: str
     title: str
     unit: str
@@ -44,15 +44,6 @@ class OverlayChart(BaseModel):
     bucket: int
     lines: list[Line]
     median: Line | None
-    first_generation: int
-    last_generation: int
-    top_label: str
-    width: int = WIDTH
-    height: int = HEIGHT
-    left: int = LEFT
-    right_edge: int = WIDTH - RIGHT
-    top: int = TOP
-    baseline: int = HEIGHT - BOTTOM
 
 
 def plot(overlay: Overlay) -> OverlayChart | None:
