@@ -396,7 +396,7 @@ def run(
     print(f"\nthe idle worker's pattern subscriptions: {subscribers}; channels: {channels}")
     print(
         f"keys in Redis with one idle worker: {keys_at_rest}; after the runs: "
-        f"{client.dbsize()} (SCAN walks the whole keyspace, COUNT 10 keys a call)"
+        f"{client.dbsize()} (the holder sweep walks the whole keyspace each second)"
     )
     print(f"messages published in {idle / 2:g} s of an idle worker, by channel:")
     for channel, each in sorted(sizes.items()):

@@ -85,15 +85,17 @@ def after_landing(
     rig: Rig, job: GenerationJob, generation: int, failure: ModelFailure | None
 ) -> GenerationJob | None:
     """Land ``job``'s generation with a report carrying ``failure``, and run what the
-    worker runs next (its lease and marker released first, as ``leases.holding`` does);
+    worker runs then: a provider failure stops the run under the lease, which
+    ``leases.holding`` then releases with the marker, and the follow-up comes after;
     the job sent next, if any."""
     sent = len(rig.sent.calls)
     marker = markers.in_flight(rig.client, job.lineage)
     assert marker is not None
-    markers.clear_in_flight(rig.client, job.lineage, marker)
     commit = rig.land(job.lineage, generation)
     landed = report(job, generation, commit, "0.01", model_failure=failure, outcome="no-change")
-    _after_landing(rig.client, rig.planner, job, landed, NODE, queue_in(rig, job.lineage))
+    blocks.stop_for_provider(rig.client, job, landed, NODE, queue_in(rig, job.lineage))
+    markers.clear_in_flight(rig.client, job.lineage, marker)
+    _after_landing(rig.client, rig.planner, job, landed)
     return rig.sent.jobs[-1] if len(rig.sent.calls) > sent else None
 
 

@@ -101,11 +101,19 @@ def test_the_demo_then_a_mistyped_key_stops_the_run_with_the_reason_and_the_fixe
     fixed = Worker(newcomer, "fixed", OPENAI_COMPATIBLE_API_KEY=KEY)
     try:
         fixed.wait_ready()
-        wait_for(
-            lambda: len(newcomer.subjects("real")) == GENERATIONS + 1,
-            300,
-            f"the run to reach generation {GENERATIONS} after the key was fixed",
-        )
+        try:
+            wait_for(
+                lambda: len(newcomer.subjects("real")) == GENERATIONS + 1,
+                300,
+                f"the run to reach generation {GENERATIONS} after the key was fixed",
+            )
+        except AssertionError as stalled:
+            # What a stall leaves to read once the home is gone: where the run stood,
+            # and what the worker did.
+            raise AssertionError(
+                f"{stalled}\nstatus: {status_of(newcomer, 'real')}\n"
+                f"worker fixed:\n{fixed.text()[-6000:]}"
+            ) from None
         final = wait_for(
             lambda: (row := status_of(newcomer, "real"))["in_flight"] is None and row,
             60,

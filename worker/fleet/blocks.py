@@ -73,9 +73,15 @@ def block(
 def stop_for_provider(
     client: redis.Redis, job: GenerationJob, report: GenerationReport, node: str | None, queue: str
 ) -> None:
-    """Block the run (the provider refused) or pause it (the provider stayed away), loudly."""
+    """Block the run (the provider refused) or pause it (the provider stayed away), loudly;
+    nothing when the report holds no provider failure.
+
+    Called while the job's lease is held: once it is released, a reconcile pass that
+    found no marker would plan the next generation of a run the provider just failed.
+    """
     failure = report.model_failure
-    assert failure is not None
+    if failure is None:
+        return
     made = failure.failed_calls + failure.answered_calls
     calls = f"{failure.failed_calls} of {made} calls failed"
     if failure.kind == "refused":

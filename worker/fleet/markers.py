@@ -38,6 +38,10 @@ from worker.fleet.redis_keys import (
 from worker.instrument.names import is_lineage_name
 
 log = logging.getLogger(__name__)
+# Keys a SCAN call of the holder sweep visits: every host walks the whole keyspace each
+# ``upkeep.SWEEP_SECONDS``, and Redis's default of 10 made that walk a call per ten keys
+# (bench/bench_holder_sweep.py measures both).
+SWEEP_SCAN_COUNT = 1000
 # What a holder record may hold, read back from a Redis anyone on the network may write:
 # the worker's own job ids (``lineage.commit12.hex``), Celery's uuids, and holder names.
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -147,7 +151,7 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
     expire: only its own host can tell it is gone.
     """
     released = []
-    for key in client.scan_iter(f"{HOLDERS_PREFIX}*"):
+    for key in client.scan_iter(f"{HOLDERS_PREFIX}*", count=SWEEP_SCAN_COUNT):
         record = get_string(client, key)
         if record is None:
             continue

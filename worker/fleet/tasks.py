@@ -265,6 +265,8 @@ class WorkerApp:
         try:
             with leases.holding(client, job.lineage, request.id, self.settings.lease_seconds):
                 report = self.pipeline.run(job, task_id=request.id, attempt=attempt)
+                if report is not None:
+                    blocks.stop_for_provider(client, job, report, request.hostname, queue)
         except leases.LeaseBusy:
             log.info("%s: another worker holds the lease; not running %s", job.lineage, request.id)
             return "busy"
@@ -278,7 +280,7 @@ class WorkerApp:
         if report is None:
             _plan_next(planner, job, None)
             return "stale"
-        _after_landing(client, planner, job, report, request.hostname, queue)
+        _after_landing(client, planner, job, report)
         log.info("%s gen %d: %s %s", job.lineage, report.generation, report.outcome, report.commit)
         return report.outcome
 
@@ -459,13 +461,11 @@ def _after_landing(
     planner: Planner,
     job: GenerationJob,
     report: GenerationReport,
-    node: str | None,
-    queue: str,
 ) -> None:
-    """What follows a generation that landed: its follow-up, unless the provider failed."""
+    """What follows a generation that landed: its follow-up, unless the provider failed
+    (then the run was stopped under the lease: ``blocks.stop_for_provider``)."""
     if report.model_failure is not None:
         # The provider failed, not the organism: no follow-up to burn the run on.
-        blocks.stop_for_provider(client, job, report, node, queue)
         return
     blocks.clear_if_over(client, job.lineage)
     _plan_next(planner, job, report)
