@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 from support.fleet import PrivateRedis
-from support.rig import Rig, dead_holder, planner_rig
+from support.rig import Rig, dead_holder, planner_rig, plant_holder
 
 from scheduler.status import FleetClient
 from worker.fleet import block_markers, holders, leases, markers, redis_keys
@@ -129,12 +129,33 @@ def test_a_contested_holder_record_does_not_stop_the_sweep_of_other_lineages(
     lineages = [f"swept-{i}" for i in range(20)]
     for lineage in lineages:
         contested.set(redis_keys.inflight_key(lineage), "job1", ex=600)
-        contested.set(redis_keys.holder_key(lineage), f"job1 {dead}", ex=600)
+        plant_holder(contested, lineage, f"job1 {dead}")
         contested.set(redis_keys.lease_key(lineage), f"{dead}/0123", ex=600)
+    # Entered in the host's set as a worker enters its own, its record then a hash.
+    plant_holder(contested, "aaa-contested", f"job1 {dead}")
     contested.keys = [redis_keys.holder_key("aaa-contested")]
+    contested.attacker.delete(contested.keys[0])
     contested.attacker.hset(contested.keys[0], "x", "y")
     released = markers.release_dead_holders(contested)
     assert sorted(lineage for lineage, _ in released) == sorted(lineages)
+
+
+def test_a_hosts_set_of_holders_of_another_type_fails_no_sweep_and_the_next_claim_mends_it(
+    contested: Contested,
+) -> None:
+    # The host's set of holders is the one key the fleet writes that is not a string:
+    # written as another type, every sweep and every claim on the host would fail.
+    here = redis_keys.host_holders_key(holders.this_host())
+    contested.attacker.set(here, "not a set")
+    assert markers.release_dead_holders(contested) == []
+    contested.attacker.delete(here)
+    contested.attacker.hset(here, "x", "y")
+    lineage = "mended"
+    markers.claim_running(contested, lineage, "job1", 600)
+    dead = dead_holder()
+    contested.set(redis_keys.holder_key(lineage), f"job1 {dead}", ex=600)
+    contested.set(redis_keys.lease_key(lineage), f"{dead}/0123", ex=600)
+    assert markers.release_dead_holders(contested) == [(lineage, "job1")]
 
 
 def test_a_forged_dead_holders_lease_writes_no_line_of_its_own_into_the_log(

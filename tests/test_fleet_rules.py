@@ -23,7 +23,17 @@ from pathlib import Path
 import pytest
 import redis
 from support.fleet import MACHINE_REDIS, PrivateRedis
-from support.rig import HEAD, INSTRUMENT, PHYSICS, WHEN, Rig, dead_holder, entry, report
+from support.rig import (
+    HEAD,
+    INSTRUMENT,
+    PHYSICS,
+    WHEN,
+    Rig,
+    dead_holder,
+    entry,
+    plant_holder,
+    report,
+)
 
 from scheduler.cli.lineages import until_next_pass
 from worker.fleet import block_markers, holders, leases, markers, redis_keys
@@ -423,7 +433,7 @@ def test_a_job_whose_holder_died_on_this_host_is_released_with_its_lease(
     dead = dead_holder()
     # As a pool child killed mid-life leaves them: its marker, its record, its lease.
     client.set(f"{redis_keys.PREFIX}:inflight:{name}", "job-1", ex=600)
-    client.set(f"{redis_keys.PREFIX}:holder:{name}", f"job-1 {dead}", ex=600)
+    plant_holder(client, name, f"job-1 {dead}")
     client.set(f"{redis_keys.PREFIX}:lease:{name}", f"{dead}/0123", ex=600)
     assert (name, "job-1") in markers.release_dead_holders(client)
     assert markers.in_flight(client, name) is None
@@ -457,7 +467,7 @@ def test_a_fetched_job_is_released_once_its_fetcher_is_dead_and_not_before(
     assert markers.keep_marker(client, name, "job-1", 600)  # this process fetched it
     assert (name, "job-1") not in markers.release_dead_holders(client)
     assert markers.in_flight(client, name) == "job-1"
-    client.set(f"{redis_keys.PREFIX}:holder:{name}", f"job-1 {dead_holder()}", ex=600)
+    plant_holder(client, name, f"job-1 {dead_holder()}")
     assert (name, "job-1") in markers.release_dead_holders(client)
     assert markers.in_flight(client, name) is None
 
@@ -469,11 +479,11 @@ def test_a_holder_on_another_host_or_of_another_job_is_left_alone(
     elsewhere, newer = unique("elsewhere"), unique("newer")
     far = "another-host:" + dead_holder().split(":", 1)[1]
     client.set(f"{redis_keys.PREFIX}:inflight:{elsewhere}", "job-1", ex=600)
-    client.set(f"{redis_keys.PREFIX}:holder:{elsewhere}", f"job-1 {far}", ex=600)
+    plant_holder(client, elsewhere, f"job-1 {far}")
     # The dead holder's job ended and a live one took the lineage: only the record goes.
     dead = dead_holder()
     client.set(f"{redis_keys.PREFIX}:inflight:{newer}", "job-2", ex=600)
-    client.set(f"{redis_keys.PREFIX}:holder:{newer}", f"job-1 {dead}", ex=600)
+    plant_holder(client, newer, f"job-1 {dead}")
     mine = leases.Lease(client, newer, 600)
     assert mine.acquire()
     released = markers.release_dead_holders(client)

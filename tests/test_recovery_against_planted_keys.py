@@ -12,6 +12,7 @@ also planted before a real worker (``support.fleet.Worker``) lives the lineage.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import secrets
@@ -30,12 +31,11 @@ from support.fleet import (
     Fleet,
     PrivateRedis,
     Worker,
-    free_port,
     seed_file,
     wait_for,
 )
 from support.lives import WRITES_STATE, assert_linear, generations, start
-from support.rig import Rig, dead_holder, planner_rig, report
+from support.rig import Rig, dead_holder, planner_rig, plant_holder, report
 
 from scheduler.status import FleetClient
 from worker.fleet import holders, leases, markers, redis_keys
@@ -68,7 +68,7 @@ def rig(tmp_path: Path, private_redis: PrivateRedis, client: redis.Redis) -> Rig
 def _orphan(client: redis.Redis, lineage: str, job_id: str, holder: str) -> None:
     """The marker, holder record and lease a killed pool child leaves behind."""
     client.set(redis_keys.inflight_key(lineage), job_id, ex=600)
-    client.set(redis_keys.holder_key(lineage), f"{job_id} {holder}", ex=600)
+    plant_holder(client, lineage, f"{job_id} {holder}")
     client.set(redis_keys.lease_key(lineage), f"{holder}/0123", ex=600)
 
 
@@ -79,26 +79,37 @@ def _forged_holder(pid: str) -> str:
     return ":".join([host, boot, pid, "1", *rest])
 
 
+class Stopped(Exception):
+    """Raised into the watch loop, which lets through all but the broker's errors."""
+
+
 class Sweeper:
     """The worker main process's watch loop, on ``client``, recording what it recovers.
 
-    The loop never returns: ``stop`` points it at a port nobody listens on, where every
-    sweep fails at once, so that it touches no later test's keys.
+    The loop never returns: ``stop`` ends its thread at its next sweep, so that it
+    touches no later test's keys.
     """
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
+        self.stopped = threading.Event()
         self.recovered: list[str] = []
-        self.thread = threading.Thread(
-            target=watch_markers,
-            args=({}, lambda: self.client, self.recovered.append, 600),
-            name="hostile-markers",
-            daemon=True,
-        )
+        self.thread = threading.Thread(target=self.watch, name="hostile-markers", daemon=True)
         self.thread.start()
 
+    def watch(self) -> None:
+        with contextlib.suppress(Stopped):
+            watch_markers({}, self.current, self.recovered.append, 600)
+
+    def current(self) -> redis.Redis:
+        if self.stopped.is_set():
+            raise Stopped
+        return self.client
+
     def stop(self) -> None:
-        self.client = redis.Redis(port=free_port(), socket_connect_timeout=1)
+        self.stopped.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the watch loop outlived its test"
 
 
 @pytest.fixture
@@ -124,7 +135,7 @@ def test_a_forged_holder_record_does_not_kill_the_watch_thread(
 ) -> None:
     # The sweep dies on the forged record: from then on this worker renews no marker of
     # the jobs it prefetched and releases no dead holder on its host.
-    client.set(redis_keys.holder_key("forged"), f"job-x {_forged_holder(pid)}", ex=600)
+    plant_holder(client, "forged", f"job-x {_forged_holder(pid)}")
     real = _name("real")
     time.sleep(2.5)
     _orphan(client, real, "job-1", dead_holder())
@@ -138,6 +149,8 @@ def test_a_holder_key_of_another_type_does_not_stop_the_sweep(
     # One key of the wrong type makes every sweep raise WRONGTYPE, which the watch loop
     # swallows: every dead holder on the host is then released without a re-enqueue
     # (or not released at all, depending on the scan's order), silently, for good.
+    plant_holder(client, "forged", "job-x")
+    client.delete(redis_keys.holder_key("forged"))
     client.hset(redis_keys.holder_key("forged"), "a", "b")
     real = _name("real")
     _orphan(client, real, "job-1", dead_holder())
@@ -153,12 +166,34 @@ def test_a_hostile_lineage_name_in_a_holder_key_is_neither_logged_raw_nor_recove
     # future swallows, unlogged).
     hostile = "x\n[2026-01-01 00:00:00,000: CRITICAL/MainProcess] forged\x1b[2J"
     dead = dead_holder()
-    client.set(redis_keys.holder_key(hostile), f"job-1 {dead}", ex=600)
+    plant_holder(client, hostile, f"job-1 {dead}")
     with caplog.at_level(logging.WARNING, logger="worker.fleet"):
         released = markers.release_dead_holders(client)
     assert all(lineage != hostile for lineage, _ in released)
     for record in caplog.records:
         assert "\n" not in record.getMessage() and "\x1b" not in record.getMessage()
+    here = redis_keys.host_holders_key(holders.this_host())
+    assert client.zscore(here, hostile) is None
+
+
+def test_the_sweep_reads_its_hosts_own_holders_and_never_walks_the_keyspace(
+    client: redis.Redis,
+) -> None:
+    # Each host walked the whole keyspace every second, reading every host's holder
+    # records: a cost that grew with the square of the fleet (bench/bench_holder_sweep.py).
+    far = "another-host:" + dead_holder().split(":", 1)[1]
+    with client.pipeline(transaction=False) as pipe:
+        for n in range(2000):
+            pipe.set(redis_keys.holder_key(f"far-{n}"), f"job-1 {far}", ex=600)
+        pipe.execute()
+    real = _name("real")
+    _orphan(client, real, "job-1", dead_holder())
+    client.config_resetstat()
+    assert markers.release_dead_holders(client) == [(real, "job-1")]
+    stats = client.info("commandstats")
+    assert "cmdstat_scan" not in stats and "cmdstat_keys" not in stats, stats
+    # Read the set, read its records, release, forget: a handful, whatever the keyspace.
+    assert sum(int(each["calls"]) for each in stats.values()) < 30, stats
 
 
 # -- holders this host cannot see ----------------------------------------------------------------

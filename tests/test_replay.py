@@ -19,12 +19,19 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import redis
 from support.browse import Served
-from support.fleet import Fleet, Worker, seed_file
+from support.fleet import INSTRUMENT_COMMIT, Fleet, Worker, seed_file
 from support.lives import start
+
+from worker.fleet import tasks
+from worker.fleet.settings import Settings
+from worker.fleet.tasks import WorkerApp
+from worker.instrument.fingerprint import current
+from worker.instrument.job import ReplayJob
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root]
 
@@ -414,3 +421,29 @@ def test_replay_on_the_fleet_with_two_workers_gives_the_local_summary(
     }
     client = redis.Redis.from_url(redis_url)
     assert not [k for k in client.keys("ouroboros:*") if b"scripted" in k]
+
+
+def test_a_replay_that_fails_on_its_worker_is_reported_not_waited_for(
+    copy: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay task whose life raised kept no report: ``replay --fleet`` waited for it to
+    its stall limit, then counted it unreported, with nothing to browse. The worker's
+    own task code, in this process, with the life made to fail."""
+
+    def fails(*_: object) -> NoReturn:
+        raise RuntimeError("the sandbox could not start")
+
+    monkeypatch.setattr(tasks, "replay", fails)
+    # The instrument as the fleet's workers load it (the cached one is this process's own).
+    monkeypatch.setenv("OUROBOROS_INSTRUMENT_COMMIT", INSTRUMENT_COMMIT)
+    worker = WorkerApp(Settings(home=copy.home / ".ouroboros"), current.__wrapped__())
+    commit = copy.git("rev-parse", f"lineage-scripted~{len(OUTCOMES) - 1}").strip()
+    job = ReplayJob(lineage="scripted", generation=1, commit=commit)
+
+    assert worker.replay(job.model_dump(mode="json")) == "not replayable"
+    report = replayed(copy, "scripted", 1)
+    assert report["verdict"] == "not replayable"
+    assert report["lineage_commit"] == commit
+    assert "failed on this worker (RuntimeError: the sandbox could not start)" in str(
+        report["reason"]
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,7 +23,7 @@ from pathlib import Path
 import redis
 
 from support.fleet import PrivateRedis
-from worker.fleet import holders
+from worker.fleet import holders, redis_keys
 from worker.fleet.assembly import lineage_cache, observation_store
 from worker.fleet.planner import Planner
 from worker.fleet.repo_admin import ensure_shared_repo
@@ -179,6 +180,13 @@ def dead_holder() -> str:
     process.kill()
     process.wait()
     return name
+
+
+def plant_holder(client: redis.Redis, lineage: str, record: str, ttl: int = 600) -> None:
+    """The holder record ``record`` of ``lineage``, entered in this host's set of holders as
+    a worker of this host enters its own (``markers.claim_running``)."""
+    client.set(redis_keys.holder_key(lineage), record, ex=ttl)
+    client.zadd(redis_keys.host_holders_key(holders.this_host()), {lineage: time.time() + ttl})
 
 
 def planner_rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Rig:

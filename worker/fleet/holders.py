@@ -1,8 +1,9 @@
 """Holder identity: a process named so that its own host can tell, at once, that it died.
 
-Owns ``holder_name`` (host, boot, pid, the process's start time and its pid namespace)
-and ``holder_dead``: a holder on this host, since this boot, in this pid namespace,
-whose pid is gone or now names another process. A holder on another host (or in
+Owns ``holder_name`` (host, boot, pid, the process's start time and its pid namespace),
+``this_host`` (the part of it that names the host) and ``holder_dead``: a holder on
+this host, since this boot, in this pid namespace, whose pid is gone or now names
+another process. A holder on another host (or in
 another pid namespace of this one) is never judged dead here: only its lease's or
 marker's expiry outlives it. Also ``node_name``, a Celery node name as the fleet's
 records hold one.
@@ -12,6 +13,7 @@ Trusts /proc of this host; a token read back from Redis is anyone's and is only 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
@@ -60,6 +62,13 @@ def holder_name(pid: int | None = None) -> str:
     """
     pid = pid or os.getpid()
     return f"{socket.gethostname()}:{_boot_id()}:{pid}:{start_time(pid)}:{_pid_namespace()}"
+
+
+def this_host() -> str:
+    """This host as far as ``holder_dead`` can see: its name, boot and pid namespace,
+    as one short token (the holders a sweep here can judge are all of this one)."""
+    seen = f"{socket.gethostname()}:{_boot_id()}:{_pid_namespace()}"
+    return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
 def node_name(hostname: str | None) -> str:

@@ -9,7 +9,12 @@ between fetching a job and starting it is noticed as soon as one that dies mid-l
 Whoever keeps a marker alive (the main process that fetched the job, then the pool
 child living it) is named in a holder record beside it, so any process on the same
 host can see at once that the holder died and release its marker and lease
-(``release_dead_holders``) instead of waiting for them to expire.
+(``release_dead_holders``) instead of waiting for them to expire. Each record written
+is also entered in its host's set of holders (``redis_keys.host_holders_key``), so a
+host's sweep reads its own holders, two commands a sweep, and never walks the
+keyspace: the walk cost every host a pass over every host's keys each second, which
+grows with the square of the fleet. A holder record written by a worker of an earlier
+release (which enters none) is left to expire, as one of another host is.
 
 Trusts nothing it reads back: a holder record whose names are not the fleet's is
 removed, never logged raw or planned. Correctness never rests on a marker: losing all
@@ -21,27 +26,25 @@ from __future__ import annotations
 
 import logging
 import re
+import time
+from typing import cast
 
 import redis
 
-from worker.fleet.holders import holder_dead, holder_name
+from worker.fleet.holders import holder_dead, holder_name, this_host
 from worker.fleet.redis_keys import (
     EXPIRE_IF_HELD,
-    HOLDERS_PREFIX,
     cancel_key,
     eval_script,
     get_string,
     holder_key,
+    host_holders_key,
     inflight_key,
     lease_key,
 )
 from worker.instrument.names import is_lineage_name
 
 log = logging.getLogger(__name__)
-# Keys a SCAN call of the holder sweep visits: every host walks the whole keyspace each
-# ``upkeep.SWEEP_SECONDS``, and Redis's default of 10 made that walk a call per ten keys
-# (bench/bench_holder_sweep.py measures both).
-SWEEP_SCAN_COUNT = 1000
 # What a holder record may hold, read back from a Redis anyone on the network may write:
 # the worker's own job ids (``lineage.commit12.hex``), Celery's uuids, and holder names.
 _JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -77,6 +80,42 @@ def _holder_record(job_id: str) -> str:
     return f"{job_id} {holder_name()}"
 
 
+# The host's set of holders is the fleet's one key that is not a string: each script on
+# it first removes a key of another type there (anyone who reaches Redis can write it),
+# which then reads as empty; the holders it named are entered again at their renewal.
+_HOST_SET = (
+    "local kind = redis.call('type', KEYS[1])['ok'] "
+    "if kind ~= 'zset' and kind ~= 'none' then redis.call('del', KEYS[1]) end "
+)
+# Enter ARGV[2] until ARGV[1] (seconds since the epoch); the set lives as long as its
+# longest entry (ARGV[3] seconds), so a host gone for good leaves nothing behind.
+_ENTER = _HOST_SET + (
+    "redis.call('zadd', KEYS[1], ARGV[1], ARGV[2]) "
+    "if redis.call('ttl', KEYS[1]) < tonumber(ARGV[3]) then "
+    "redis.call('expire', KEYS[1], ARGV[3]) end return 0"
+)
+# Drop the entries past their time (ARGV[1]); the first of the rest, up to index ARGV[2].
+_ENTERED = _HOST_SET + (
+    "redis.call('zremrangebyscore', KEYS[1], '-inf', ARGV[1]) "
+    "return redis.call('zrange', KEYS[1], 0, ARGV[2])"
+)
+# A sweep reads at most this many entries (a host holds a job per pool process and per
+# message fetched): a set flooded by someone else is drained, not read whole each second.
+_SWEEP_MOST = 4096
+# Drop ARGV[1].
+_DROP = _HOST_SET + "redis.call('zrem', KEYS[1], ARGV[1]) return 0"
+# Drop ARGV[1] unless its holder record (KEYS[2]) is back meanwhile.
+_FORGET = _HOST_SET + (
+    "if redis.call('exists', KEYS[2]) == 0 then redis.call('zrem', KEYS[1], ARGV[1]) end return 0"
+)
+
+
+def _enter(client: redis.Redis, lineage: str, ttl_seconds: int) -> None:
+    """Enter the lineage in this host's set of holders, as long as its record lives."""
+    until = time.time() + ttl_seconds
+    client.eval(_ENTER, 1, host_holders_key(this_host()), until, lineage, ttl_seconds)
+
+
 def claim_running(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int) -> None:
     """Mark ``job_id`` as the lineage's running job, for as long as its heartbeat lasts."""
     # SET replaces a key of any type: no WRONGTYPE to meet here.
@@ -84,6 +123,7 @@ def claim_running(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: i
         pipe.set(inflight_key(lineage), job_id, ex=ttl_seconds)
         pipe.set(holder_key(lineage), _holder_record(job_id), ex=ttl_seconds)
         pipe.execute()
+    _enter(client, lineage, ttl_seconds)
 
 
 _KEEP = (
@@ -99,7 +139,10 @@ def keep_marker(client: redis.Redis, lineage: str, job_id: str, ttl_seconds: int
     This process becomes its holder: should it die, ``release_dead_holders`` frees the marker.
     """
     keys = [inflight_key(lineage), holder_key(lineage)]
-    return bool(eval_script(client, _KEEP, keys, job_id, _holder_record(job_id), ttl_seconds))
+    if not eval_script(client, _KEEP, keys, job_id, _holder_record(job_id), ttl_seconds):
+        return False
+    _enter(client, lineage, ttl_seconds)
+    return True
 
 
 def in_flight(client: redis.Redis, lineage: str) -> str | None:
@@ -147,19 +190,33 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
     alive until they expire (``lease_seconds``); on its own host its death is certain at
     once (``holder_dead``), and the caller re-enqueues the lineage (the worker's sweep
     does so at once, else the reconciler's next pass).
-    Returns (lineage, job id) of each job released. A holder on another host is left to
-    expire: only its own host can tell it is gone.
+    Returns (lineage, job id) of each job released. Only the holders this host entered
+    are read: one on another host is left to expire, as only its own host can tell it
+    is gone.
     """
+    here = host_holders_key(this_host())
+    # The fleet's clients never decode responses: members and records come back as bytes.
+    entered = cast("list[bytes]", client.eval(_ENTERED, 1, here, time.time(), _SWEEP_MOST - 1))
+    if not entered:
+        return []
+    # MGET reads a key of another type as absent, where GET would fail the sweep.
+    record_keys = [holder_key(member.decode(errors="replace")) for member in entered]
+    records = cast("list[bytes | None]", client.mget(record_keys))
     released = []
-    for key in client.scan_iter(f"{HOLDERS_PREFIX}*", count=SWEEP_SCAN_COUNT):
-        record = get_string(client, key)
+    for member, record in zip(entered, records, strict=True):
+        lineage = member.decode(errors="replace")
+        if not is_lineage_name(lineage):
+            # Entered by someone else (anyone who reaches Redis can): its name must reach
+            # neither a log line raw nor the planner. Gone, it is reported once.
+            client.eval(_DROP, 1, here, member)
+            log.warning("removed a holder no worker entered: %r", member)
+            continue
+        key = holder_key(lineage)
         if record is None:
+            client.eval(_FORGET, 2, here, key, member)
             continue
         job_id, _, holder = record.decode(errors="replace").partition(" ")
-        lineage = key.decode(errors="replace").removeprefix(HOLDERS_PREFIX)
-        if not (is_lineage_name(lineage) and _JOB_ID.fullmatch(job_id) and holder.isprintable()):
-            # Written by someone else (anyone who reaches Redis can): its names must reach
-            # neither a log line raw nor the planner. Gone, it is reported once.
+        if not (_JOB_ID.fullmatch(job_id) and holder.isprintable()):
             client.delete(key)
             log.warning("removed a holder record that no worker wrote: %r", key)
             continue
@@ -171,6 +228,7 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
                 "%s: released job %s, whose holder (%s) died on this host", lineage, job_id, holder
             )
             released.append((lineage, job_id))
+        client.eval(_FORGET, 2, here, key, member)
     return released
 
 

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 # lands while Redis restarts still releases its lease and sends its follow-up, instead
 # of leaving its lineage to the lease's expiry and the reconciler's next pass.
 OUTLAST_RESTART = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=15)
-HOLDERS_PREFIX = f"{PREFIX}:holder:"
 BLOCKED_PREFIX = f"{PREFIX}:blocked:"
 # Extends the key's expiry (ARGV[2] seconds) only while it still holds ARGV[1]: a
 # lease's renewal, and an in-flight claim's.
@@ -54,7 +53,15 @@ def inflight_key(lineage: str) -> str:
 
 def holder_key(lineage: str) -> str:
     """The record of the process keeping the lineage's in-flight marker alive."""
-    return f"{HOLDERS_PREFIX}{lineage}"
+    return f"{PREFIX}:holder:{lineage}"
+
+
+def host_holders_key(host: str) -> str:
+    """The lineages whose holder record names a process of ``host`` (``holders.this_host``),
+    each scored by when that record expires: what the host's sweep for dead holders
+    reads instead of the whole keyspace. The one key of the fleet that is not a string
+    (a sorted set): ``worker.fleet.markers`` repairs it itself."""
+    return f"{PREFIX}:holders-on:{host}"
 
 
 def blocked_key(lineage: str) -> str:

@@ -39,9 +39,11 @@ import gc
 import logging
 import sys
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from functools import cached_property
 
 import redis
@@ -82,6 +84,7 @@ from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.job import GenerationJob, GenerationReport, ReplayJob
 from worker.instrument.pipeline import Pipeline
+from worker.instrument.records import ReplayReport
 from worker.instrument.replay import keep, recorded, replay, replay_problem
 from worker.instrument.store import StoreUnavailable
 
@@ -304,7 +307,24 @@ class WorkerApp:
         observation = recorded(pipeline.store, job.lineage, job.generation)
         if observation is None:
             return "not replayable"
-        report = replay(pipeline, observation, job.commit)
+        started, clock = datetime.now(UTC), time.monotonic()
+        try:
+            report = replay(pipeline, observation, job.commit)
+        except Exception as exc:  # unreported, the command would wait for it to its stall limit
+            log.exception("the replay of %s gen %d failed", job.lineage, job.generation)
+            report = ReplayReport(
+                lineage=job.lineage,
+                generation=job.generation,
+                lineage_commit=job.commit,
+                verdict="not replayable",
+                # One short line: a report is shown on terminals and pages.
+                reason=f"the replay failed on this worker ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:500]}); see its log, and replay it again",
+                recorded_outcome=observation.outcome,
+                instrument_fingerprint=pipeline.instrument.fingerprint,
+                replayed_at=started,
+                duration_seconds=time.monotonic() - clock,
+            )
         keep(pipeline.store, report)
         log.info("%s gen %d: replay %s", job.lineage, job.generation, report.verdict)
         return report.verdict
