@@ -110,7 +110,10 @@ def test_metrics_follow_a_running_fleet(
             assert value(queued, "ouroboros_lineage_run_budget_usd", lineage=name) == 5
             assert value(queued, "ouroboros_lineage_run_remaining_generations", lineage=name) == 3
 
-        worker = Worker(fleet, "metrics")
+        # Each life waits 1.5 s for its model's answer: long enough for a probe to see
+        # it running whatever the machine's speed (an instant life could land between
+        # two probes, and on a fast machine all six did).
+        worker = Worker(fleet, "metrics", OUROBOROS_SCRIPTED_LATENCY_SECONDS="1.5")
         worker.wait_ready()
         seen_running = seen_served = False
         deadline = time.monotonic() + 400
