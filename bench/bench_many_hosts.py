@@ -54,7 +54,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shared_costs import BUCKET, PREFIX, S3_KEY_ID, S3_SECRET, SUCCEEDED, process_cpu
+from bench_shared_costs import (
+    BUCKET,
+    PREFIX,
+    S3_KEY_ID,
+    S3_SECRET,
+    SUCCEEDED,
+    create_bucket,
+    process_cpu,
+)
 from common import SMALL_PHYSICS, BenchFleet, bench_args, machine_note, wait_for
 
 # The fleet harness (tests/support), on sys.path since common's import.
@@ -254,7 +262,6 @@ def main() -> None:
 def run_all(
     args: argparse.Namespace, counts: list[int], network: Network, fleet: BenchFleet
 ) -> None:
-    import boto3
     import redis
     from support import vm_fleet
 
@@ -272,13 +279,7 @@ def run_all(
     sshd: GitSshd | None = None
     workers: list[HostWorker] = []
     try:
-        boto3.client(
-            "s3",
-            endpoint_url=moto.url,
-            region_name=S3_REGION,
-            aws_access_key_id=S3_KEY_ID,
-            aws_secret_access_key=S3_SECRET,
-        ).create_bucket(Bucket=BUCKET)
+        create_bucket(moto.url)
         sshd = vm_fleet.GitSshd(fleet.root / "sshd", fleet.repo)
         key = fleet.root / "worker-key"
         subprocess.run(

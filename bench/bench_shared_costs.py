@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import boto3
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SMALL_PHYSICS, BenchFleet, bench_args, machine_note, wait_for
 
@@ -149,6 +151,17 @@ class Window:
     git_walls: dict[str, list[float]] = field(default_factory=dict)
 
 
+def create_bucket(endpoint: str) -> None:
+    """The bench's bucket on the S3 endpoint at ``endpoint``, with the bench's keys."""
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=S3_REGION,
+        aws_access_key_id=S3_KEY_ID,
+        aws_secret_access_key=S3_SECRET,
+    ).create_bucket(Bucket=BUCKET)
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds of ``pid``, its reaped children and its live descendants.
 
@@ -187,7 +200,6 @@ def main() -> None:
 
     with BenchFleet("costs", keep=args.keep, redis_password=secrets.token_hex(16)) as fleet:
         fleet.activate()
-        import boto3
         import redis
         from support.vm_fleet import GitSshd
 
@@ -200,13 +212,7 @@ def main() -> None:
             "AWS_CONFIG_FILE": os.devnull,
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
         }
-        boto3.client(
-            "s3",
-            endpoint_url=moto.url,
-            region_name=S3_REGION,
-            aws_access_key_id=S3_KEY_ID,
-            aws_secret_access_key=S3_SECRET,
-        ).create_bucket(Bucket=BUCKET)
+        create_bucket(moto.url)
         shared = {
             "OUROBOROS_OBSERVATIONS": f"s3://{BUCKET}/{PREFIX}",
             "OUROBOROS_S3_ENDPOINT_URL": f"http://127.0.0.1:{forwarder.port}",
