@@ -199,19 +199,18 @@ def release_dead_holders(client: redis.Redis) -> list[tuple[str, str]]:
     entered = cast("list[bytes]", client.eval(_ENTERED, 1, here, time.time(), _SWEEP_MOST - 1))
     if not entered:
         return []
+    lineages = [member.decode(errors="replace") for member in entered]
+    record_keys = [holder_key(lineage) for lineage in lineages]
     # MGET reads a key of another type as absent, where GET would fail the sweep.
-    record_keys = [holder_key(member.decode(errors="replace")) for member in entered]
     records = cast("list[bytes | None]", client.mget(record_keys))
     released = []
-    for member, record in zip(entered, records, strict=True):
-        lineage = member.decode(errors="replace")
+    for member, lineage, key, record in zip(entered, lineages, record_keys, records, strict=True):
         if not is_lineage_name(lineage):
             # Entered by someone else (anyone who reaches Redis can): its name must reach
             # neither a log line raw nor the planner. Gone, it is reported once.
             client.eval(_DROP, 1, here, member)
             log.warning("removed a holder no worker entered: %r", member)
             continue
-        key = holder_key(lineage)
         if record is None:
             client.eval(_FORGET, 2, here, key, member)
             continue
