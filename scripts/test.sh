@@ -6,13 +6,19 @@
 # --fast runs the fast tier only: every test that needs no process, service or
 # sandbox, in this process (tests/support/tiers.py refuses the rest); no Redis or
 # Docker engine is started for it. Other arguments go to pytest.
+#
+# The full tier runs on two pytest-xdist processes (most of its tests wait on workers,
+# leases and services, not on a core), each with a redis-server of its own
+# (tests/support/xdist_redis.py); the VM and compose modules are one xdist group, so
+# one process runs them while the other runs the rest. `-n 0` after it runs serially.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 fast=()
+parallel=(-n 2 --dist loadgroup)
 args=()
 for arg in "$@"; do
-  if [ "$arg" = --fast ]; then fast=(--fast); else args+=("$arg"); fi
+  if [ "$arg" = --fast ]; then fast=(--fast); parallel=(); else args+=("$arg"); fi
 done
 
 if [ "${#fast[@]}" -eq 0 ]; then
@@ -32,4 +38,4 @@ fi
 .venv/bin/ruff format --check .
 # mypy --strict over worker/ and scheduler/ (configured in pyproject.toml).
 .venv/bin/mypy
-exec .venv/bin/python -m pytest "${fast[@]}" "${args[@]}"
+exec .venv/bin/python -m pytest "${fast[@]}" "${parallel[@]}" "${args[@]}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from support.browse import Served
-from support.fleet import MACHINE_REDIS, SMALL_PHYSICS, Fleet, Worker, seed_file
+from support.fleet import SMALL_PHYSICS, Fleet, Worker, seed_file
 from support.legacy_lineage import FIXTURE_BACKTRACE, FIXTURE_GENERATIONS, FIXTURE_OUT_OF_LOOP
 
 from worker.instrument.records import DEATHS
@@ -214,9 +214,10 @@ def test_views_of_a_lineage_made_by_the_pipeline(tmp_path: Path) -> None:
 @pytest.mark.bwrap
 @pytest.mark.cgroups
 @pytest.mark.root
-def test_overview_lists_live_workers_and_the_instrument_queue_they_serve(tmp_path: Path) -> None:
-    # The machine's Redis (scripts/test.sh starts it); inspection only, no jobs.
-    fleet = Fleet(tmp_path, OUROBOROS_BROKER_URL=f"{MACHINE_REDIS}/13")
+def test_overview_lists_live_workers_and_the_instrument_queue_they_serve(
+    tmp_path: Path, redis_url: str
+) -> None:
+    fleet = Fleet(tmp_path, OUROBOROS_BROKER_URL=redis_url)
     fleet.ok("init", "demo", *SMALL_PHYSICS)
     worker = Worker(fleet, "browse")
     served = None

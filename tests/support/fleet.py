@@ -19,7 +19,8 @@ benchmarks (``bench/common.py`` puts ``tests/`` on ``sys.path``):
 * ``MACHINE_REDIS``: the machine's Redis the tests share (``OUROBOROS_TEST_REDIS``,
   default ``redis://127.0.0.1:6379``), so two test sessions on one machine can each
   point at a redis-server of their own instead of flushing each other's databases. A
-  database number in it is dropped: the tests choose their databases themselves.
+  database number in it is dropped: the tests choose their databases themselves. Under
+  pytest-xdist each worker process has a redis-server of its own (``support.xdist_redis``).
 * ``Follower``: ``schedule-lineage ARGS`` in the background, its output read line by line.
 * ``helper_name``: what ``Fleet.traced`` reports a spawned process as.
 * ``BYTECODE_CACHE``: one private bytecode cache for every fleet process of this
@@ -54,10 +55,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-# The machine's Redis, unless a test session names another (see the docstring).
-MACHINE_REDIS = re.sub(
-    r"/\d*/?$", "", os.environ.get("OUROBOROS_TEST_REDIS", "redis://127.0.0.1:6379")
-)
+from support.xdist_redis import machine_redis
+
+# The machine's Redis, unless a test session names another or is an xdist worker (see
+# the docstring).
+MACHINE_REDIS = re.sub(r"/\d*/?$", "", machine_redis())
 
 INSTRUMENT_COMMIT = "a" * 40
 

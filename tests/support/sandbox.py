@@ -8,6 +8,7 @@ module imports by name to use.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 import tarfile
@@ -119,8 +120,12 @@ def leftovers(label: str) -> list[str]:
 
 @pytest.fixture(name="label")
 def label_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A scope label unique to the test; afterwards, nothing of it may remain."""
-    name = f"t-{request.node.name[:40].replace('[', '-').replace(']', '')}"
+    """A scope label unique to the test; afterwards, nothing of it may remain.
+
+    The digest of the test's node id keeps two tests whose names share their first 32
+    characters apart when they run at once (pytest-xdist)."""
+    digest = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:8]
+    name = f"t-{request.node.name[:32].replace('[', '-').replace(']', '')}-{digest}"
     yield name
     assert leftovers(name) == []
 

@@ -12,6 +12,7 @@ A test module imports ``worker_fixture`` and ``unprivileged_worker_fixture`` (wi
 from __future__ import annotations
 
 import base64
+import fcntl
 import io
 import json
 import os
@@ -36,6 +37,7 @@ from worker.instrument.sandbox import resolve_emacs, run_sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = Settings()
+UID_LOCKS = Path("/run/lock/ouroboros-test-uids")
 # What the unprivileged worker needs beside the repository's own packages.
 RUNTIME_PACKAGES = (
     "pyseccomp.py",
@@ -95,7 +97,7 @@ def worker_fixture(request: pytest.FixtureRequest, label: str) -> Worker:
 @pytest.fixture(name="unprivileged_worker", scope="module")
 def unprivileged_worker_fixture() -> Iterator[Worker]:
     """A worker process as a uid with no account, in cgroups delegated to it."""
-    uid = next(u for u in range(59000, 59100) if not _account(u))
+    uid, claim = _claim_uid()
     # pytest's own temp dirs are private to root: the runtime must be readable by any uid.
     runtime = _runtime(Path(tempfile.mkdtemp(prefix="ouroboros-unprivileged-")))
     delegated = _delegate(uid)
@@ -129,11 +131,33 @@ def unprivileged_worker_fixture() -> Iterator[Worker]:
     try:
         yield live
     finally:
+        os.close(claim)
         shutil.rmtree(runtime)
         for directory in delegated:
             if (directory / "ouroboros").exists():
                 (directory / "ouroboros").rmdir()
             directory.rmdir()
+
+
+def _claim_uid() -> tuple[int, int]:
+    """A uid with no account that no other test process uses now, and the lock that says so.
+
+    Two unprivileged workers of one uid (pytest-xdist) would share its kernel keyrings and
+    its processes; the lock is a file per uid under /run/lock, dropped by the kernel when
+    the holder exits.
+    """
+    UID_LOCKS.mkdir(parents=True, exist_ok=True)
+    for uid in range(59000, 59100):
+        if _account(uid):
+            continue
+        handle = os.open(UID_LOCKS / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(handle)
+            continue
+        return uid, handle
+    raise AssertionError("no free uid in 59000-59099 for an unprivileged worker")
 
 
 def _account(uid: int) -> bool:
