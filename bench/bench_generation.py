@@ -16,6 +16,10 @@ Then one more ``run --local`` under ``strace -f`` (execve and the clones, one fi
 process) counts the processes it spawned outside the sandbox (a ``bwrap`` and all its
 descendants are the life): git and every other helper, per generation, by name.
 
+With ``--profile``, one more ``run --local`` under ``cProfile`` prints where the run's own
+process's main thread spends its time: waiting (for the thread that lives the life,
+which cProfile does not see, and for children) apart, then the functions of most own time.
+
 Targets: local <= 1.5x floor; <= 3 helper processes per generation, none of them
 ``git gc`` or ``git maintenance``.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -54,15 +59,17 @@ ORGANISM = (
     '(message "hi")\n(with-temp-file "/work/hello.txt" (insert (format "%S\\n" (random t))))\n'
 )
 FORBIDDEN = ("gc", "maintenance", "repack", "prune")
+# Where the run's main thread waits: for the thread that lives the life (a lock), for
+# the sandbox and other children. cProfile sees the main thread only.
+WAITS = ("acquire", "poll", "select", "waitpid", "method 'read'", "_wait", "communicate")
 
 
-def run_local(fleet: BenchFleet, generations: int, prefix: list[str] | None = None) -> float:
+def run_local(fleet: BenchFleet, generations: int, interpreter: list[str] | None = None) -> float:
     """``run --local`` of ``generations`` generations; wall seconds."""
     started = time.monotonic()
     done = subprocess.run(
         [
-            *(prefix or []),
-            PYTHON,
+            *(interpreter or [PYTHON]),
             "-m",
             "scheduler",
             "run",
@@ -82,10 +89,35 @@ def run_local(fleet: BenchFleet, generations: int, prefix: list[str] | None = No
     return elapsed
 
 
+def profile(fleet: BenchFleet, generations: int) -> None:
+    """One ``run --local`` under cProfile: own time per function, per generation."""
+    out = fleet.root / "run-local.prof"
+    wall = run_local(fleet, generations, [PYTHON, "-m", "cProfile", "-o", str(out)])
+    stats = pstats.Stats(str(out))
+    rows = sorted(
+        (
+            (own, f"{Path(file).name}:{line} {name}")
+            for (file, line, name), (_, _, own, _, _) in stats.stats.items()
+        ),
+        reverse=True,
+    )
+    waiting = sum(own for own, where in rows if any(w in where for w in WAITS))
+    worked = stats.total_tt - waiting
+    print()
+    print(
+        f"profile of one run --local ({generations} generations, {wall * 1000 / generations:.1f} "
+        f"ms each under cProfile): its main thread waited {waiting * 1000 / generations:.1f} ms "
+        f"(the life's thread, children), worked {worked * 1000 / generations:.1f} ms a generation"
+    )
+    for own, where in [row for row in rows if not any(w in row[1] for w in WAITS)][:15]:
+        print(f"  {own * 1000 / generations:7.2f} ms  {where}")
+
+
 def main() -> None:
     parser = bench_args(__doc__.splitlines()[0])
     parser.add_argument("--generations", type=int, default=20, help="generations per sample")
     parser.add_argument("--rounds", type=int, default=5, help="samples per side")
+    parser.add_argument("--profile", action="store_true", help="profile one more run --local")
     args = parser.parse_args()
 
     with BenchFleet("generation", keep=args.keep, with_redis=False) as fleet:
@@ -136,6 +168,8 @@ def main() -> None:
             f"helper processes per generation: {per_generation:.2f}, gc/maintenance: {forbidden}   "
             f"target <= {PROCESS_TARGET}, none gc/maintenance   {'PASS' if ok else 'MISS'}"
         )
+        if args.profile:
+            profile(fleet, args.generations)
     os._exit(0)
 
 
