@@ -159,8 +159,6 @@ def init(
     homes = scheduler_homes(settings)
     if home is not None:
         homes.require(home)
-    for url in settings.lineage_homes.values():
-        ensure_shared_repo(url)
     chosen = {each: homes.claim(each, home) for each in names}
     for each in names:
         meta = create(homes, each, body, physics, home=chosen[each], cohort=label)

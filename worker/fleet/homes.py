@@ -163,6 +163,12 @@ class Homes:
         home = self.locate(lineage)
         return self.cache(home if home is not None else rendezvous(lineage, self.urls))
 
+    def repository(self, lineage: str, home: str | None = None) -> str:
+        """The URL of the home ``lineage`` lives in, else of the one it would be made in
+        (``home``, or the rule's choice): where an import writes it."""
+        found = self.locate(lineage)
+        return self.urls[found if found is not None else self.choose(lineage, home)]
+
     def fetch(self, lineage: str) -> str | None:
         """The lineage's head in its home (fetching it); None if no home holds it.
 
