@@ -97,7 +97,7 @@ COMMANDS: dict[str, Lazy] = {
     ),
     "repack": Lazy(
         "scheduler.cli.repack:repack",
-        "Pack this host's lineage repositories: every cache, and a local shared repository.",
+        "Pack this host's lineage repositories: every cache, and every local shared one.",
     ),
     "stop-redis": Lazy(
         "scheduler.cli.broker:stop_redis",
