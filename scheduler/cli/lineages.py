@@ -472,6 +472,48 @@ def cancel(name: str) -> None:
 
 
 @click.command()
+@click.argument("name")
+@click.option("--to", "home", required=True, metavar="HOME", help="The home to move it to.")
+def move(name: str, home: str) -> None:
+    """Move lineage NAME to another shared repository (home), while no run drives it.
+
+    Its branch is copied to HOME's repository and then deleted from the one it leaves;
+    its history, observations and records are untouched. Refused while it has an active
+    run or a generation in flight: cancel the run and let that generation land first.
+    """
+    from scheduler.status import FleetClient
+
+    settings = load_settings()
+    check_name(name)
+    require_places(settings, write=True)
+    fleet = FleetClient(settings, start_broker=False)
+    planner = fleet.planner
+    planner.homes.require(home)
+    run = planner.latest_run(name)
+    if run is not None and run.status == "active":
+        raise Refusal(
+            f"lineage {name} has an active run ({run.run_id}); stop it with "
+            f"schedule-lineage cancel {name}, then move it"
+        )
+    if fleet.broker_up:
+        from worker.fleet import markers
+
+        if markers.in_flight(planner.client, name):
+            raise Refusal(
+                f"lineage {name} has a generation in flight; move it once that lands "
+                f"(schedule-lineage status {name})"
+            )
+    source, head = planner.homes.move(name, home)
+    console.print(
+        f"moved lineage {name} (branch lineage-{name} at {head[:12]}) from home {source} "
+        f"to home {home} ({settings.lineage_homes[home]})",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+@click.command()
 @click.option(
     "--loop", is_flag=True, help="Keep reconciling every OUROBOROS_RECONCILE_INTERVAL_SECONDS."
 )

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import LineageCache
+from worker.instrument.gitrepo import LineageCache, branch_ref, local_repository, run_git
 from worker.instrument.lineage import (
     LineageMetadata,
     check_free,
@@ -184,6 +184,52 @@ class Homes:
     def metadata(self, lineage: str, head: str) -> LineageMetadata:
         """The root metadata of ``lineage`` at ``head`` (fetched through ``fetch``)."""
         return root_metadata(self.home_cache(lineage), head, lineage)
+
+    def move(self, lineage: str, target: str) -> tuple[str, str]:
+        """Move ``lineage``'s branch to home ``target``: its objects copied there, the branch
+        made there, then deleted from the home it leaves (only if still at the head that
+        was copied; that home must be a local repository). The caller makes sure no run
+        drives it meanwhile. A move cut short
+        between the two (the branch in both homes at one head) is finished by moving it
+        again. The home it left and the head moved."""
+        self.require(target)
+        holders = self.holders(lineage)
+        others = {home: head for home, head in holders.items() if home != target}
+        if not others:
+            if target in holders:
+                raise Refusal(f"lineage {lineage} already lives in home {target}")
+            raise Refusal(f"no lineage named {lineage}; see schedule-lineage status for all")
+        if len(others) > 1 or (target in holders and holders[target] not in others.values()):
+            raise Refusal(
+                f"lineage {lineage} is in homes {' and '.join(holders)} at different heads; "
+                'delete the stale branch by hand (docs/design.md, "Homes")'
+            )
+        ((source, head),) = others.items()
+        if target not in holders:
+            into = self.cache(target)
+            into.adopt(self.cache(source), head)
+            if not into.push_cas(lineage, head, None):
+                raise Refusal(
+                    f"lineage {lineage} appeared in home {target} meanwhile; see it there"
+                )
+        self._delete(source, lineage, head)
+        self._found[lineage] = target
+        return source, head
+
+    def _delete(self, home: str, lineage: str, head: str) -> None:
+        """Delete ``lineage-NAME`` from ``home``'s repository, only if it is still at ``head``.
+
+        Directly in the repository: what arrives through receive-pack may never delete a
+        branch (``REPO_CONFIG``), so a move runs where the home it leaves is local."""
+        repo = local_repository(self.urls[home])
+        assert repo is not None, "move checks that the home it leaves is local"
+        done = run_git(repo, "update-ref", "-d", branch_ref(lineage), head, check=False)
+        if done.returncode != 0:
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise Refusal(
+                f"lineage {lineage} was copied to its new home but not deleted from home "
+                f"{home} ({said[-1] if said else 'git update-ref failed'}); move it again"
+            )
 
     def lineages(self) -> dict[str, str]:
         """Every lineage branch of every home, by name, with its home.
