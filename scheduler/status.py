@@ -50,6 +50,7 @@ from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import GitError
 from worker.instrument.job import GenerationJob
 from worker.instrument.lineage import LineageMetadata
+from worker.instrument.names import DEFAULT_HOME
 from worker.instrument.records import DEATHS
 from worker.instrument.store import StoreUnavailable
 
@@ -75,6 +76,8 @@ class LineageStatus(BaseModel):
     """
 
     lineage: str
+    # The shared repository (``OUROBOROS_LINEAGE_REPOS``) its branch is in.
+    home: str = DEFAULT_HOME
     # The cohort in the lineage's root metadata; None when it is in none.
     cohort: str | None = None
     # The lineage's totals (git: generations; the store: deaths, spend, backlog).
@@ -230,6 +233,7 @@ class FleetClient:
         )
         row = LineageStatus(
             lineage=lineage,
+            home=planner.homes.locate(lineage) or DEFAULT_HOME,
             cohort=meta.cohort if meta else None,
             generation=generation,
             deaths=sum(e.outcome in DEATHS for e in index) if found is not None else None,

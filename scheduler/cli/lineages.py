@@ -154,11 +154,11 @@ def init(
     names = replicate_names(name, replicates) if replicates else [name]
     label = check_cohort(cohort) if cohort else (name if replicates else None)
     body = read_seed(seed) if seed else current().seed
-    for made in require_places(settings, write=True, create=True):
-        warn("note", made)
     homes = scheduler_homes(settings)
     if home is not None:
         homes.require(home)
+    for made in require_places(settings, write=True, create=True):
+        warn("note", made)
     chosen = {each: homes.claim(each, home) for each in names}
     for each in names:
         meta = create(homes, each, body, physics, home=chosen[each], cohort=label)
