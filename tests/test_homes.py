@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from support.fleet import SMALL_PHYSICS, Fleet, Worker
@@ -27,6 +29,7 @@ from worker.instrument.errors import Refusal
 from worker.instrument.store import open_store
 
 HOMES = ("a", "b", "default")
+T = TypeVar("T", bound=Callable[..., Any])
 
 
 def names_for_every_home(stem: str, each: int = 1) -> dict[str, list[str]]:
@@ -101,6 +104,13 @@ def generation_subjects(fleet: Fleet, home: str, name: str) -> list[int]:
     """The generation number of every ``gen N:`` commit of the lineage, oldest first."""
     numbers = [s.split(":")[0].removeprefix("gen ") for s in subjects(fleet, home, name)]
     return sorted(int(n) for n in numbers if n.isdigit())
+
+
+def living(test: T) -> T:
+    """The marks of a test whose lineages live in real sandboxes (minutes at most)."""
+    for mark in (pytest.mark.full, pytest.mark.bwrap, pytest.mark.cgroups, pytest.mark.root):
+        test = mark(test)
+    return pytest.mark.timeout(600)(test)
 
 
 @pytest.fixture
@@ -187,11 +197,7 @@ def test_init_places_each_lineage_by_the_rule_or_home_and_records_it(spread: Fle
     assert listed == {**{n: h for h in HOMES for n in chosen[h]}, "pinned": "b"}
 
 
-@pytest.mark.full
-@pytest.mark.bwrap
-@pytest.mark.cgroups
-@pytest.mark.root
-@pytest.mark.timeout(600)
+@living
 def test_lives_on_a_worker_land_each_generation_once_in_their_home_only(
     tmp_path: Path, redis_url: str, workers: list[Worker]
 ) -> None:
@@ -241,11 +247,7 @@ def test_lives_on_a_worker_land_each_generation_once_in_their_home_only(
         assert reader.lineage(name).summary.generations == 3
 
 
-@pytest.mark.full
-@pytest.mark.bwrap
-@pytest.mark.cgroups
-@pytest.mark.root
-@pytest.mark.timeout(600)
+@living
 def test_fork_from_one_home_into_another_then_live_there(spread: Fleet) -> None:
     spread.ok("init", "parent", "--home", "a", *SMALL_PHYSICS)
     spread.ok("run", "parent", "--generations", "2", "--local")
@@ -272,11 +274,7 @@ def test_fork_from_one_home_into_another_then_live_there(spread: Fleet) -> None:
     assert status["child"]["genealogy"]["parent"]["lineage"] == "parent"
 
 
-@pytest.mark.full
-@pytest.mark.bwrap
-@pytest.mark.cgroups
-@pytest.mark.root
-@pytest.mark.timeout(600)
+@living
 def test_export_from_one_home_and_import_into_another_home_of_another_fleet(
     tmp_path: Path, spread: Fleet
 ) -> None:
@@ -300,11 +298,7 @@ def test_export_from_one_home_and_import_into_another_home_of_another_fleet(
     assert "travel" in other.ok("observations", "travel").stdout
 
 
-@pytest.mark.full
-@pytest.mark.bwrap
-@pytest.mark.cgroups
-@pytest.mark.root
-@pytest.mark.timeout(600)
+@living
 def test_move_takes_a_lineage_to_another_home_where_it_lives_on(spread: Fleet) -> None:
     spread.ok("init", "mover", "--home", "a", *SMALL_PHYSICS)
     spread.ok("run", "mover", "--generations", "1", "--local")
