@@ -174,7 +174,7 @@ class Soak:
         self.s3.create_bucket(Bucket=BUCKET)
         self.redis = redis.Redis.from_url(self.bench.redis_url, socket_timeout=5)
         tag = os.urandom(3).hex()
-        self.lineages = [f"soak{tag}-{n:02d}" for n in range(args.lineages)]
+        self.lineages = self.spread(f"soak{tag}-", args.lineages)
         self.target = 0
         self.workers: list[Worker | None] = [None] * args.workers
         self.incarnations = 0
@@ -220,6 +220,21 @@ class Soak:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def spread(self, stem: str, count: int) -> list[str]:
+        """``count`` names ``stem``NN, skipping a name whose home (by the rule) already has
+        its share, so the lineages are spread over every home as evenly as they can be."""
+        share = -(-count // len(self.repos))
+        taken: Counter[str] = Counter()
+        names: list[str] = []
+        number = 0
+        while len(names) < count:
+            name = f"{stem}{number:02d}"
+            number += 1
+            if taken[home := self.home(name)] < share:
+                taken[home] += 1
+                names.append(name)
+        return names
 
     def home(self, lineage: str) -> str:
         """The home the rule places ``lineage`` in (worker.fleet.homes)."""
@@ -633,6 +648,9 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
         f"{args.rounds} rounds, {args.workers} workers x {args.concurrency}, lease "
         f"{args.lease} s, reconcile every {args.reconcile:g} s; {machine_note()}"
     )
+    if args.homes > 1:
+        spread = Counter(soak.home(name) for name in soak.lineages)
+        print("homes: " + ", ".join(f"{home} {spread[home]}" for home in soak.repos))
     print(f"\n{'invariant':<24}{'count':>8}")
     for key in ("landed", "lost", "doubled", "extra observations", *MUST_BE_ZERO):
         print(f"{key:<24}{counts[key]:>8}")

@@ -1,7 +1,7 @@
 """The chaos soak, short: ``bench/soak.py`` on a small fleet, every fault kind, invariants only.
 
-Its lineages are spread over three shared repositories (``--homes 3``): each branch must
-be in its home and no other, as well as every invariant below.
+Its three lineages are spread over three shared repositories (``--homes 3``), one each:
+each branch must be in its home and no other, as well as every invariant below.
 
 The soak starts its own fleet (private Redis with AOF, moto behind a switchable proxy,
 real workers, ``reconcile --loop``), alternates a fault-free and a chaos round, and
@@ -50,3 +50,4 @@ def test_a_short_soak_keeps_every_invariant() -> None:
     assert result.returncode == 0, report
     assert "invariants: all hold" in result.stdout, report
     assert "chaos" in result.stdout
+    assert "homes: default 1, h1 1, h2 1" in result.stdout, report
