@@ -114,10 +114,18 @@ class Homes:
             check_free(lineage, self.cache(chosen), self.store)
         return chosen
 
+    def made(self, home: str) -> bool:
+        """Whether ``home``'s repository exists: a local one not made yet (by ``init`` or an
+        import) holds no lineage; a remote one is asked."""
+        path = local_repository(self.urls[home])
+        return path is None or (path / "HEAD").exists()
+
     def holders(self, lineage: str) -> dict[str, str]:
         """Every home holding ``lineage-NAME``, with its head there, in search order."""
         found = {}
         for home in search_order(lineage, self.urls):
+            if not self.made(home):
+                continue
             head = self.cache(home).fetch(lineage)
             if head is not None:
                 found[home] = head
@@ -242,7 +250,7 @@ class Homes:
         """
         prefix = f"refs/heads/{BRANCH_PREFIX}"
         found: dict[str, list[str]] = {}
-        for home in self.urls:
+        for home in filter(self.made, self.urls):
             for line in self.cache(home).ls_remote("refs/heads/*").splitlines():
                 sha, _, ref = line.partition("\t")
                 if not ref.startswith(prefix):
