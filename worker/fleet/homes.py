@@ -151,8 +151,13 @@ class Homes:
         return home
 
     def _recorded_home(self, lineage: str) -> str | None:
+        """The home the store's metadata object names; None without a readable one (what
+        an unreadable one means is the command's to say: import refuses it as a clash)."""
         raw = None if self.store is None else self.store.get(metadata_key(lineage))
-        return None if raw is None else parse_metadata(raw, lineage).home_name
+        try:
+            return None if raw is None else parse_metadata(raw, lineage).home_name
+        except Refusal:
+            return None
 
     def forget(self, lineage: str) -> None:
         self._found.pop(lineage, None)
