@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from support.fleet import SMALL_PHYSICS, Fleet, Worker
+from support.fleet import SMALL_PHYSICS, Fleet, Worker, wait_for
 
 from scheduler.reader import Reader
 from worker.fleet.homes import rendezvous, search_order
@@ -319,6 +319,42 @@ def test_move_takes_a_lineage_to_another_home_where_it_lives_on(spread: Fleet) -
     assert "lineage mover is in homes" in line and "default" in line and "b" in line
     spread.ok("move", "mover", "--to", "b")
     assert where(spread)["mover"] == ["b"]
+
+
+@living
+def test_a_worker_goes_on_with_a_lineage_moved_while_its_run_was_stopped(
+    tmp_path: Path, redis_url: str, workers: list[Worker]
+) -> None:
+    fleet = Fleet(
+        tmp_path / "fleet",
+        OUROBOROS_BROKER_URL=redis_url,
+        OUROBOROS_LEASE_SECONDS="6",
+        OUROBOROS_SPOOL_RETRY_SECONDS="1",
+        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
+        **homes_env(tmp_path / "fleet"),
+    )
+    fleet.ok("init", "roamer", "--home", "a", *SMALL_PHYSICS)
+    workers.append(Worker(fleet, "w1"))
+    workers[-1].wait_ready()
+    fleet.ok("run", "roamer", "--generations", "1", "--wait", timeout=300)
+    fleet.ok("run", "roamer", "--generations", "1000")
+    line = fleet.refused("move", "roamer", "--to", "b")
+    assert "lineage roamer has an active run" in line and "cancel roamer" in line
+    fleet.ok("cancel", "roamer")
+
+    def stopped() -> bool:
+        row = json.loads(fleet.ok("status", "roamer", "--json").stdout)[0]
+        return row["in_flight"] is None
+
+    wait_for(stopped, 120, "the cancelled run's last generation to land")
+    landed = generation_subjects(fleet, "a", "roamer")
+    fleet.ok("move", "roamer", "--to", "b")
+    # The worker remembered home a for roamer: it finds the branch gone and looks again.
+    fleet.ok("run", "roamer", "--generations", "2", "--wait", timeout=300)
+    assert where(fleet)["roamer"] == ["b"]
+    assert generation_subjects(fleet, "b", "roamer") == [*landed, len(landed) + 1, len(landed) + 2]
+    assert fleet.observation_numbers("roamer") == list(range(1, len(landed) + 3))
+    assert "cannot advance here" not in workers[-1].text()
 
 
 @pytest.mark.full
