@@ -199,16 +199,9 @@ def test_init_places_each_lineage_by_the_rule_or_home_and_records_it(spread: Fle
 
 @living
 def test_lives_on_a_worker_land_each_generation_once_in_their_home_only(
-    tmp_path: Path, redis_url: str, workers: list[Worker]
+    fleet: Fleet, workers: list[Worker]
 ) -> None:
-    fleet = Fleet(
-        tmp_path / "fleet",
-        OUROBOROS_BROKER_URL=redis_url,
-        OUROBOROS_LEASE_SECONDS="6",
-        OUROBOROS_SPOOL_RETRY_SECONDS="1",
-        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
-        **homes_env(tmp_path / "fleet"),
-    )
+    fleet.env.update(homes_env(fleet.home))
     chosen = {home: names[0] for home, names in names_for_every_home("live").items()}
     for name in chosen.values():
         fleet.ok("init", name, *SMALL_PHYSICS)
@@ -323,16 +316,9 @@ def test_move_takes_a_lineage_to_another_home_where_it_lives_on(spread: Fleet) -
 
 @living
 def test_a_worker_goes_on_with_a_lineage_moved_while_its_run_was_stopped(
-    tmp_path: Path, redis_url: str, workers: list[Worker]
+    fleet: Fleet, workers: list[Worker]
 ) -> None:
-    fleet = Fleet(
-        tmp_path / "fleet",
-        OUROBOROS_BROKER_URL=redis_url,
-        OUROBOROS_LEASE_SECONDS="6",
-        OUROBOROS_SPOOL_RETRY_SECONDS="1",
-        OUROBOROS_RECONCILE_INTERVAL_SECONDS="1",
-        **homes_env(tmp_path / "fleet"),
-    )
+    fleet.env.update(homes_env(fleet.home))
     fleet.ok("init", "roamer", "--home", "a", *SMALL_PHYSICS)
     workers.append(Worker(fleet, "w1"))
     workers[-1].wait_ready()
