@@ -10,6 +10,8 @@ root namespace:
 
 * ONE repository server: an sshd whose one key is forced to git-shell on the shared
   bare repository (``tests/support/vm_fleet.GitSshd``, as ``bench_shared_costs`` uses it);
+  with ``--homes N``, N of them, each on its own bare repository (the lineages spread
+  over N homes, ``OUROBOROS_LINEAGE_REPOS``, by the rendezvous rule), their CPU summed;
 * ONE Redis over TCP with a password (``PrivateRedis``, also bound to the bridge);
 * ONE S3 endpoint: moto's standalone server over HTTP.
 
@@ -24,15 +26,16 @@ server's CPU (sshd and its children), moto's CPU, the workers' own CPU (each
 worker's process tree: its pool and the sandboxes' lives) and the machine's CPU use
 from ``/proc/stat`` (of its ``os.cpu_count()`` cores; on a shared machine what the
 fleet did not use is other jobs'). At the end every lineage is
-cancelled and its branch checked: history linear, ``gen N`` subjects without a gap
-or a repeat (no generation landed twice).
+cancelled and its branch checked: in exactly one home, the one its name chooses;
+history linear, ``gen N`` subjects without a gap or a repeat (no generation landed
+twice).
 
 The bench changes no host setting (no sysctl, no iptables, no route beyond the
 bridge's own address) and removes its namespaces (with /run/netns if it made it),
 bridge and veths on exit, on error and on Ctrl-C; a start also removes what an
 earlier crashed run left (names ``ouroh-*``, and the processes in those namespaces).
 
-Run: ``.venv/bin/python bench/bench_many_hosts.py [--hosts 1,2,4,8] [--window 60]`` as
+Run: ``.venv/bin/python bench/bench_many_hosts.py [--hosts 1,2,4,8] [--homes 1] [--window 60]`` as
 root (namespaces, sshd). A measurement, not a test: exits 0.
 """
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import secrets
@@ -241,6 +245,9 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=60.0, help="measured seconds per K")
     parser.add_argument("--warm-up", type=float, default=15.0, help="seconds before a window")
     parser.add_argument("--subnet", default="10.213.77.0/24", help="the bridge's private subnet")
+    parser.add_argument(
+        "--homes", type=int, default=1, help="shared repositories, each on its own server"
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_many_hosts: run as root (network namespaces, a private sshd)")
@@ -265,6 +272,8 @@ def run_all(
     import redis
     from support import vm_fleet
 
+    from worker.fleet.repo_admin import ensure_shared_repo
+
     assert fleet.redis is not None
     client = redis.Redis.from_url(fleet.redis_url)
     # The same server, also on the bridge: the hosts reach it there.
@@ -276,22 +285,32 @@ def run_all(
         "ListenAddress 127.0.0.1:{port}\n",
         f"ListenAddress 127.0.0.1:{{port}}\nListenAddress {network.address}:{{port}}\n",
     )
-    sshd: GitSshd | None = None
+    sshds: dict[str, GitSshd] = {}
     workers: list[HostWorker] = []
+    # The default home is the fleet's repository; each other home a bare repository beside it.
+    repos = {"default": fleet.repo}
+    repos |= {f"h{i}": fleet.root / "homes" / f"h{i}.git" for i in range(1, args.homes)}
     try:
         create_bucket(moto.url)
-        sshd = vm_fleet.GitSshd(fleet.root / "sshd", fleet.repo)
         key = fleet.root / "worker-key"
         subprocess.run(
             ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "bench", "-f", str(key)],
             check=True,
         )
-        sshd.authorize(key.with_suffix(".pub").read_text())
         known_hosts = fleet.root / "known_hosts"
-        known_hosts.write_text(sshd.known_host(network.address))
+        for home, repo in repos.items():
+            repo.parent.mkdir(exist_ok=True)
+            ensure_shared_repo(str(repo))
+            sshds[home] = vm_fleet.GitSshd(fleet.root / f"sshd-{home}", repo)
+            sshds[home].authorize(key.with_suffix(".pub").read_text())
+            with known_hosts.open("a") as known:
+                known.write(sshds[home].known_host(network.address))
+        urls = {home: sshd.url(network.address) for home, sshd in sshds.items()}
+        others = {home: url for home, url in urls.items() if home != "default"}
         host_env = {
             "OUROBOROS_BROKER_URL": redis_url,
-            "OUROBOROS_LINEAGE_REPO": sshd.url(network.address),
+            "OUROBOROS_LINEAGE_REPO": urls["default"],
+            "OUROBOROS_LINEAGE_REPOS": json.dumps(others) if others else "",
             "OUROBOROS_OBSERVATIONS": f"s3://{BUCKET}/{PREFIX}",
             "OUROBOROS_S3_ENDPOINT_URL": moto.url,
             "OUROBOROS_S3_REGION": S3_REGION,
@@ -305,20 +324,29 @@ def run_all(
                 " -o BatchMode=yes"
             ),
         }
-        # The scheduler's commands use the repository's local path (the control host) and
+        # The scheduler's commands use the repositories' local paths (the control host) and
         # the same bucket.
         fleet.env.update(
             {k: v for k, v in host_env.items() if k.startswith(("OUROBOROS_S3", "AWS_"))},
             OUROBOROS_OBSERVATIONS=host_env["OUROBOROS_OBSERVATIONS"],
         )
+        local = {
+            "OUROBOROS_LINEAGE_REPO": str(fleet.repo),
+            "OUROBOROS_LINEAGE_REPOS": json.dumps(
+                {home: str(repo) for home, repo in repos.items() if home != "default"}
+            )
+            if others
+            else "",
+        }
         print(machine_note())
+        ports = ", ".join(f"{home} :{sshd.port}" for home, sshd in sshds.items())
         print(
-            f"services on {network.address} (bridge {BRIDGE}, {network.subnet}): repository "
-            f"over ssh (git-shell forced) :{sshd.port}, Redis with a password "
-            f":{fleet.redis.port}, S3 = moto {moto.url}",
+            f"services on {network.address} (bridge {BRIDGE}, {network.subnet}): "
+            f"{len(sshds)} repositories over ssh (git-shell forced; {ports}), Redis with a "
+            f"password :{fleet.redis.port}, S3 = moto {moto.url}",
             flush=True,
         )
-        sshd_pid, moto_pid = sshd.process.pid, moto.process.pid
+        moto_pid = moto.process.pid
 
         def meters() -> Meters:
             commands = client.info("commandstats")
@@ -331,7 +359,7 @@ def run_all(
                     int(v["calls"]) for k, v in commands.items() if k != "cmdstat_info"
                 ),
                 redis_cpu=float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
-                sshd_cpu=process_cpu(sshd_pid),
+                sshd_cpu=sum(process_cpu(sshd.process.pid) for sshd in sshds.values()),
                 moto_cpu=process_cpu(moto_pid),
                 workers_cpu=sum(process_cpu(w.process.pid) for w in workers),
                 machine_busy=busy,
@@ -360,11 +388,10 @@ def run_all(
                 new_workers.append(worker)
             for worker in new_workers:
                 worker.wait_ready(180)
-            local = str(fleet.repo)
             while len(lineages) < count * args.lineages_per_host:
                 name = f"l{len(lineages)}"
-                fleet.fleet.ok("init", name, *SMALL_PHYSICS, OUROBOROS_LINEAGE_REPO=local)
-                fleet.fleet.ok("run", name, "--generations", "100000", OUROBOROS_LINEAGE_REPO=local)
+                fleet.fleet.ok("init", name, *SMALL_PHYSICS, **local)
+                fleet.fleet.ok("run", name, "--generations", "100000", **local)
                 lineages.append(name)
             started = [len(SUCCEEDED.findall(w.text())) for w in workers]
             time.sleep(args.warm_up)
@@ -403,29 +430,45 @@ def run_all(
             )
 
         for name in lineages:
-            fleet.fleet.ok("cancel", name, OUROBOROS_LINEAGE_REPO=str(fleet.repo))
+            fleet.fleet.ok("cancel", name, **local)
         keys = [f"ouroboros:{kind}:{name}" for name in lineages for kind in ("inflight", "lease")]
         wait_for(lambda: not client.exists(*keys), 300, "the lineages to finish", 0.5)
         for worker in workers:
             worker.stop(120)
-        report(rows, check(fleet, lineages), workers)
+        report(rows, check(repos, lineages), workers, len(repos))
     finally:
         for worker in workers:
             worker.stop(60)
-        if sshd is not None:
+        for sshd in sshds.values():
             sshd.stop()
         moto.stop()
 
 
-def check(fleet: BenchFleet, lineages: list[str]) -> list[str]:
-    """Each lineage's branch: no merge, ``gen N`` subjects 1..n with no gap or repeat."""
+def git_in(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", f"--git-dir={repo}", *args], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def check(repos: dict[str, Path], lineages: list[str]) -> list[str]:
+    """Each lineage's branch: in one home only, the rule's choice; no merge; ``gen N``
+    subjects 1..n with no gap or repeat."""
+    from worker.fleet.homes import rendezvous
+
     problems = []
     for name in lineages:
         branch = f"lineage-{name}"
-        merges = fleet.fleet.git("rev-list", "--merges", branch).split()
+        holders = [
+            h for h, repo in repos.items() if git_in(repo, "for-each-ref", f"refs/heads/{branch}")
+        ]
+        if holders != [rendezvous(name, repos)]:
+            problems.append(f"{name}: in homes {holders}, not only {rendezvous(name, repos)}")
+            continue
+        repo = repos[holders[0]]
+        merges = git_in(repo, "rev-list", "--merges", branch).split()
         numbers = [
             int(m[1])
-            for subject in reversed(fleet.fleet.subjects(name))
+            for subject in reversed(git_in(repo, "log", "--format=%s", branch).splitlines())
             if (m := GENERATION.match(subject))
         ]
         expected = list(range(numbers[0], numbers[0] + len(numbers))) if numbers else []
@@ -435,7 +478,7 @@ def check(fleet: BenchFleet, lineages: list[str]) -> list[str]:
     return problems
 
 
-def report(rows: list[Row], problems: list[str], workers: list[HostWorker]) -> None:
+def report(rows: list[Row], problems: list[str], workers: list[HostWorker], homes: int) -> None:
     cores = os.cpu_count() or 1
     print()
     print(
@@ -483,8 +526,9 @@ def report(rows: list[Row], problems: list[str], workers: list[HostWorker]) -> N
             break
         verdict = f"nothing saturated; {state}"
     print(f"\n{verdict}")
+    where = f"each in its one home of {homes}, " if homes > 1 else ""
     print(
-        "history: " + ("linear, no gap or repeat in any lineage" if not problems else "")
+        "history: " + (f"{where}linear, no gap or repeat in any lineage" if not problems else "")
         + "; ".join(problems)
     )  # fmt: skip
     if any("Traceback" in w.text() for w in workers):

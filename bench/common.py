@@ -157,9 +157,11 @@ class BenchFleet:
         except FileNotFoundError:
             return 0
 
-    def head(self, lineage: str) -> str | None:
-        """The shared branch head, read straight from the ref file (cheap enough to poll)."""
-        ref = self.repo / "refs" / "heads" / f"lineage-{lineage}"
+    def head(self, lineage: str, repo: Path | None = None) -> str | None:
+        """The shared branch head, read straight from the ref file (cheap enough to poll);
+        in ``repo`` (a home's repository) if given, else in the default one."""
+        repo = repo or self.repo
+        ref = repo / "refs" / "heads" / f"lineage-{lineage}"
         try:
             return ref.read_text().strip() or None
         except FileNotFoundError:
@@ -167,7 +169,7 @@ class BenchFleet:
         out = subprocess.run(
             [
                 "git",
-                f"--git-dir={self.repo}",
+                f"--git-dir={repo}",
                 "rev-parse",
                 "--verify",
                 "--quiet",

@@ -37,7 +37,9 @@ When the last round has landed, the soak waits for the spool to drain, stops
 everything and checks every invariant: a linear first-parent history with ``gen 1..N``
 exactly once and in order, one observation per generation whose number, commit and
 parent match git, the index and ``status --json`` agreeing with both, every spool
-empty, no process left in any worker's session and no leftover cgroup. It prints a
+empty, no process left in any worker's session and no leftover cgroup. With ``--homes
+N`` the lineages are spread over N shared repositories (``OUROBOROS_LINEAGE_REPOS``, the
+default one and N-1 beside it) and each branch must be in its rule's home and no other. It prints a
 table and a timeline of the faults, and exits 1 if an invariant fails; the timing
 targets are printed, never enforced (``tests/test_soak.py`` runs a short soak in CI
 and checks the exit status).
@@ -107,6 +109,7 @@ class Fault:
 def parse_args() -> argparse.Namespace:
     parser = bench_args(__doc__.splitlines()[0])
     parser.add_argument("--lineages", type=int, default=12)
+    parser.add_argument("--homes", type=int, default=1, help="shared repositories")
     parser.add_argument("--generations", type=int, default=24, help="per lineage and round")
     parser.add_argument("--rounds", type=int, default=4, help="alternately fault-free and chaos")
     parser.add_argument("--workers", type=int, default=3)
@@ -150,6 +153,13 @@ class Soak:
             OUROBOROS_RECONCILE_INTERVAL_SECONDS=str(args.reconcile),
             OUROBOROS_SPOOL_RETRY_SECONDS="1",
         )
+        # The default home is the fleet's repository; the others beside it, made by init.
+        self.repos = {"default": self.bench.repo}
+        self.repos |= {f"h{i}": self.root / "homes" / f"h{i}.git" for i in range(1, args.homes)}
+        if args.homes > 1:
+            (self.root / "homes").mkdir()
+            others = {h: str(r) for h, r in self.repos.items() if h != "default"}
+            self.bench.env["OUROBOROS_LINEAGE_REPOS"] = json.dumps(others)
         self.bench.activate()
         import boto3
         import redis
@@ -164,7 +174,7 @@ class Soak:
         self.s3.create_bucket(Bucket=BUCKET)
         self.redis = redis.Redis.from_url(self.bench.redis_url, socket_timeout=5)
         tag = os.urandom(3).hex()
-        self.lineages = [f"soak{tag}-{n:02d}" for n in range(args.lineages)]
+        self.lineages = self.spread(f"soak{tag}-", args.lineages)
         self.target = 0
         self.workers: list[Worker | None] = [None] * args.workers
         self.incarnations = 0
@@ -211,13 +221,41 @@ class Soak:
             start_new_session=True,
         )
 
+    def spread(self, stem: str, count: int) -> list[str]:
+        """``count`` names ``stem``NN, skipping a name whose home (by the rule) already has
+        its share, so the lineages are spread over every home as evenly as they can be."""
+        share = -(-count // len(self.repos))
+        taken: Counter[str] = Counter()
+        names: list[str] = []
+        number = 0
+        while len(names) < count:
+            name = f"{stem}{number:02d}"
+            number += 1
+            if taken[home := self.home(name)] < share:
+                taken[home] += 1
+                names.append(name)
+        return names
+
+    def home(self, lineage: str) -> str:
+        """The home the rule places ``lineage`` in (worker.fleet.homes)."""
+        from worker.fleet.homes import rendezvous
+
+        return rendezvous(lineage, self.repos)
+
+    def git(self, lineage: str, *args: str) -> bytes:
+        """git in the repository of ``lineage``'s home."""
+        repo = self.repos[self.home(lineage)]
+        return subprocess.run(
+            ["git", f"--git-dir={repo}", *args], capture_output=True, check=True
+        ).stdout
+
     def generation(self, lineage: str) -> tuple[str | None, int]:
         """The lineage's head and its generation number (cached per head)."""
-        head = self.bench.head(lineage)
+        head = self.bench.head(lineage, self.repos[self.home(lineage)])
         known = self.heads.get(lineage)
         if known is not None and known[0] == head:
             return known
-        subject = self.bench.git("log", "-1", "--format=%s", head or "HEAD").decode()
+        subject = self.git(lineage, "log", "-1", "--format=%s", head or "HEAD").decode()
         match = GEN_SUBJECT.match(subject)
         value = (head, int(match.group(1)) if match else 0)
         self.heads[lineage] = value
@@ -350,7 +388,9 @@ class Soak:
 
     def queue(self) -> str:
         meta = json.loads(
-            self.bench.git("show", f"lineage-{self.lineages[0]}:.ouroboros-lineage.json")
+            self.git(
+                self.lineages[0], "show", f"lineage-{self.lineages[0]}:.ouroboros-lineage.json"
+            )
         )
         return "gen." + meta["instrument_fingerprint"][:12]
 
@@ -438,9 +478,10 @@ class Soak:
         return found
 
     def spool_entries(self) -> int:
-        """Files left in the spool: pending publications, or temp files of killed saves."""
-        spool = self.root / ".ouroboros" / "state" / "spool"
-        return sum(1 for p in spool.rglob("*") if p.is_file()) if spool.exists() else 0
+        """Files left in the spools (the default home's, and each other home's under
+        ``spools/``): pending publications, or temp files of killed saves."""
+        state = self.root / ".ouroboros" / "state"
+        return sum(1 for spool in state.glob("spool*") for p in spool.rglob("*") if p.is_file())
 
     def settle(self) -> None:
         """Wait for every observation to land and the spool to drain, then stop the fleet."""
@@ -486,8 +527,11 @@ class Soak:
             if row["lineage"] in self.lineages
         }
         for name in self.lineages:
-            log = self.bench.git(
-                "log", "--first-parent", "--format=%H %P%x09%s", f"lineage-{name}"
+            holders = [h for h, repo in self.repos.items() if self.bench.head(name, repo)]
+            if holders != [self.home(name)]:
+                problems.append(f"{name}: in homes {holders}, not only {self.home(name)}")
+            log = self.git(
+                name, "log", "--first-parent", "--format=%H %P%x09%s", f"lineage-{name}"
             ).decode()
             commits = {}
             numbers = []
@@ -604,6 +648,9 @@ def report(soak: Soak, rounds: list[tuple[bool, int, float]], verdict: dict[str,
         f"{args.rounds} rounds, {args.workers} workers x {args.concurrency}, lease "
         f"{args.lease} s, reconcile every {args.reconcile:g} s; {machine_note()}"
     )
+    if args.homes > 1:
+        spread = Counter(soak.home(name) for name in soak.lineages)
+        print("homes: " + ", ".join(f"{home} {spread[home]}" for home in soak.repos))
     print(f"\n{'invariant':<24}{'count':>8}")
     for key in ("landed", "lost", "doubled", "extra observations", *MUST_BE_ZERO):
         print(f"{key:<24}{counts[key]:>8}")

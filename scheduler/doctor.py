@@ -24,12 +24,14 @@ from pydantic import BaseModel
 
 from scheduler.sources import unreachable
 from worker.fleet import embedded_redis, redis_keys
-from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.assembly import observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.places import places, unwritable
 from worker.fleet.settings import Settings
 from worker.instrument.ceilings import select_ceiling
 from worker.instrument.model.credentials import Credential
 from worker.instrument.model.providers import HTTP_PROVIDERS
+from worker.instrument.names import DEFAULT_HOME
 from worker.instrument.sandbox import resolve_emacs
 
 
@@ -124,8 +126,14 @@ def _broker(settings: Settings) -> Check:
 
 
 def _repository(settings: Settings) -> str:
-    lineage_cache(settings, "scheduler").ls_remote("refs/heads/*")  # a Refusal if unreadable
-    return f"{settings.lineage_repo_url} reachable{_writable(settings, repository=True)}"
+    homes = Homes(settings, "scheduler")
+    for home in settings.lineage_homes:
+        homes.cache(home).ls_remote("refs/heads/*")  # a Refusal if unreadable
+    reached = ", ".join(
+        url if home == DEFAULT_HOME else f"{url} (home {home})"
+        for home, url in settings.lineage_homes.items()
+    )
+    return f"{reached} reachable{_writable(settings, repository=True)}"
 
 
 def _presence(credential: Credential) -> str:
@@ -142,17 +150,16 @@ def _store_probe(settings: Settings) -> str:
 
 
 def _writable(settings: Settings, *, repository: bool) -> str:
-    """ ", writable" for a local repository (or file store) this user can write; else raises."""
-    for place in places(settings):
-        if place.repository != repository:
-            continue
+    """ ", writable" for local repositories (every home's; or the file store) this user can
+    write; else raises."""
+    local = [place for place in places(settings) if place.repository == repository]
+    for place in local:
         if not place.present():
             raise LookupError(f"no {place.what} at {place.path} (schedule-lineage init makes one)")
         for directory in place.writable_dirs():
             if (problem := unwritable(directory)) is not None:
                 raise PermissionError(f"{place.path} is reachable but not writable ({problem})")
-        return ", writable"
-    return ""
+    return ", writable" if local else ""
 
 
 def _redacted(url: str) -> str:

@@ -121,6 +121,8 @@ class Seed(NamedTuple):
     body: bytes
     files: dict[str, Entry]
     parent: Parentage
+    # The source commit's tree: what a fork into another home copies there.
+    tree: str
 
 
 def seed_of(cache: LineageCache, source: Source, physics: Physics) -> Seed:
@@ -133,7 +135,8 @@ def seed_of(cache: LineageCache, source: Source, physics: Physics) -> Seed:
             f"{source.lineage}@{source.generation} ({source.commit[:12]}) has no regular "
             f"{ORGANISM_PATH}; fork another generation"
         )
-    refused = refused_name(cache.repo, [cache.repo[source.commit].peel(pygit2.Commit).tree])
+    root = cache.repo[source.commit].peel(pygit2.Commit).tree
+    refused = refused_name(cache.repo, [root])
     if refused is not None:
         raise Refusal(
             f"{source.lineage}@{source.generation} ({source.commit[:12]}) holds a name no "
@@ -148,7 +151,7 @@ def seed_of(cache: LineageCache, source: Source, physics: Physics) -> Seed:
             f"work_files={physics.work_files}; raise --work-bytes or --work-files"
         )
     body = cache.cat_blobs([organism.sha])[organism.sha]
-    return Seed(body, files, source.parentage())
+    return Seed(body, files, source.parentage(), str(root.id))
 
 
 def describe(meta: LineageMetadata, source: Source) -> list[str]:

@@ -67,6 +67,7 @@ from worker.instrument.index import merged, segment_keys
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import (
     BRANCH_PREFIX,
+    DEFAULT_HOME,
     JOURNAL_PATH,
     METADATA_PATH,
     ORGANISM_PATH,
@@ -153,11 +154,17 @@ class IndexView:
 
 
 class Reader:
-    """Read-only answers over one shared repository and one observation store."""
+    """Read-only answers over the shared repositories (homes) and one observation store.
 
-    def __init__(self, store: ObservationStore, repo: Path) -> None:
+    ``repo`` is the default home's repository; ``others`` the other homes'. Their
+    objects are read through ``repo`` (``ReadOnlyGit``'s alternates); each home's own
+    branches are its lineages.
+    """
+
+    def __init__(self, store: ObservationStore, repo: Path, others: Sequence[Path] = ()) -> None:
         self.store = store
-        self.git = ReadOnlyGit(repo)
+        self.git = ReadOnlyGit(repo, others)
+        self.homes = [ReadOnlyGit(repo), *(ReadOnlyGit(other) for other in others)]
         self._lock = threading.Lock()
         self._histories: dict[str, History] = {}
         self._indexes: dict[str, IndexView] = {}
@@ -172,10 +179,24 @@ class Reader:
     # -- lineages -------------------------------------------------------------
 
     def heads(self) -> dict[str, str]:
-        """Every lineage branch: name -> head commit (none before the repository exists)."""
-        if not (self.git.git_dir / "HEAD").exists():
+        """Every lineage branch of every home: name -> head commit (none of a home whose
+        repository does not exist yet). A name in two homes is left out with a warning,
+        as every command refuses it (``worker.fleet.homes``)."""
+        heads: dict[str, str] = {}
+        twice: set[str] = set()
+        for home in self.homes:
+            for name, sha in self._home_heads(home).items():
+                if name in heads:
+                    twice.add(name)
+                heads[name] = sha
+        for name in sorted(twice):
+            self._warn(f"ignoring lineage {name}: its branch is in two shared repositories")
+        return self._commits_only({n: sha for n, sha in heads.items() if n not in twice})
+
+    def _home_heads(self, home: ReadOnlyGit) -> dict[str, str]:
+        if not (home.git_dir / "HEAD").exists():
             return {}
-        listed = self.git.run(
+        listed = home.run(
             "for-each-ref",
             "--format=%(refname:lstrip=2) %(objectname)",
             f"refs/heads/{BRANCH_PREFIX}*",
@@ -192,7 +213,7 @@ class Reader:
                 heads[name] = sha
             else:
                 self._warn(f"ignoring refs/heads/{branch}: not a lineage name")
-        return self._commits_only(heads)
+        return heads
 
     def _commits_only(self, heads: dict[str, str]) -> dict[str, str]:
         """``heads`` without a branch whose head is not a commit here (a foreign or broken
@@ -808,14 +829,22 @@ class Reader:
 
 
 def open_reader(settings: Settings) -> Reader:
-    """The reader of the configured store and shared repository (which must be local)."""
-    url = settings.lineage_repo_url
-    if not is_local(url):
-        raise Refusal(
-            f"browsing reads the shared repository directly; OUROBOROS_LINEAGE_REPO={url!r} "
-            "is remote - run the browser on a host with a local copy"
-        )
-    return Reader(open_store(settings.observations_url, settings), local_path(url))
+    """The reader of the configured store and every home's shared repository (each of
+    which must be local)."""
+    for home, url in settings.lineage_homes.items():
+        if not is_local(url):
+            variable = (
+                "OUROBOROS_LINEAGE_REPO" if home == DEFAULT_HOME else "OUROBOROS_LINEAGE_REPOS"
+            )
+            raise Refusal(
+                f"browsing reads the shared repositories directly; {variable} names {url!r}"
+                f" (home {home}), which is remote - run the browser on a host with local copies"
+            )
+    default = local_path(settings.lineage_repo_url)
+    others = [
+        local_path(url) for home, url in settings.lineage_homes.items() if home != DEFAULT_HOME
+    ]
+    return Reader(open_store(settings.observations_url, settings), default, others)
 
 
 def _stored(store: ObservationStore, key: str, shape: type[_Record]) -> _Record | None:

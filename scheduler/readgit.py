@@ -16,6 +16,7 @@ Treats every byte git returns about lineage content as data.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from worker.instrument.gitrepo import run_git
@@ -37,10 +38,19 @@ _ENV = {
 
 
 class ReadOnlyGit:
-    """One bare repository, reachable only through read-only subcommands."""
+    """One bare repository, reachable only through read-only subcommands.
 
-    def __init__(self, git_dir: Path) -> None:
+    ``alternates``: other repositories whose objects it reads too (the other homes of a
+    fleet of several, so a commit, tree or diff of any home's lineage reads through one
+    repository); their refs are not its own.
+    """
+
+    def __init__(self, git_dir: Path, alternates: Sequence[Path] = ()) -> None:
         self.git_dir = git_dir
+        self._env = _ENV
+        if alternates:
+            objects = ":".join(str(repo / "objects") for repo in alternates)
+            self._env = {**_ENV, "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects}
 
     def run(
         self, subcommand: str, *args: str, input: bytes | None = None, check: bool = True
@@ -48,7 +58,9 @@ class ReadOnlyGit:
         if subcommand not in ALLOWED:
             raise PermissionError(f"git {subcommand} is not a read-only browsing command")
         guards = _DIFF_GUARDS if subcommand == "diff" else ()
-        return run_git(self.git_dir, subcommand, *guards, *args, input=input, env=_ENV, check=check)
+        return run_git(
+            self.git_dir, subcommand, *guards, *args, input=input, env=self._env, check=check
+        )
 
     def blobs(self, specs: list[str]) -> dict[str, bytes | None]:
         """Contents of ``rev:path`` specs through one ``cat-file --batch``; None if absent."""

@@ -28,7 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from scheduler.output import plain
-from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.assembly import observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import LineageCache
@@ -120,8 +121,9 @@ def replay_on_fleet(
     from worker.fleet.runs import hard_time_limit, queue_of
 
     fleet = FleetClient(settings)
-    cache, store = lineage_cache(settings, "scheduler"), observation_store(settings)
-    head = cache.fetch(check_name(name))
+    store = observation_store(settings)
+    cache = Homes(settings, "scheduler", store).home_cache(check_name(name))
+    head = cache.fetch(name)
     if head is None:
         raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
     meta = root_metadata(cache, head, name)

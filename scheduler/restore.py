@@ -21,6 +21,7 @@ Trusts: this fleet's repository and store. The archive is hostile until verified
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,16 +55,20 @@ class Restored:
     branch_created: bool
     written: int
     present: int
+    repository: str
 
 
-def restore(archive: Path, repo_url: str, store: ObservationStore) -> Restored:
-    if not is_local(repo_url):
-        raise Refusal(f"import writes to a local shared repository; {repo_url} is remote")
+def restore(archive: Path, repo_of: Callable[[str], str], store: ObservationStore) -> Restored:
+    """Import ``archive``; ``repo_of(NAME)`` is the shared repository lineage NAME lives
+    in, or would be made in (its home: the archive names none, ``worker.fleet.homes``)."""
     with tempfile.TemporaryDirectory(prefix="ouroboros-import-") as scratch:
         checked = check(archive, Path(scratch))
         if checked.problems or checked.manifest is None or checked.metadata is None:
             raise ArchiveProblems(archive, checked.problems)
         name, head = checked.manifest.lineage, checked.manifest.head
+        repo_url = repo_of(name)
+        if not is_local(repo_url):
+            raise Refusal(f"import writes to a local shared repository; {repo_url} is remote")
         objects = _objects(checked)
         ensure_shared_repo(repo_url)
         existing = _head(local_path(repo_url), name)
@@ -73,14 +78,16 @@ def restore(archive: Path, repo_url: str, store: ObservationStore) -> Restored:
                 f"head {head[:12]}; a lineage keeps its name, so this archive cannot be imported "
                 "into this fleet"
             )
-        _check_parent(local_path(repo_url), name, checked.metadata)
+        _check_parent(repo_of, name, checked.metadata)
         missing = _missing_keys(name, objects, store)
         if existing is None:
             import_bundle(checked.unpacked.members[BUNDLE], name, repo_url)
         for key in missing:
             store.put_once(key, objects[key])
         _rebuild_index(name, checked, store)
-    return Restored(name, head, existing is None, len(missing), len(objects) - len(missing))
+    return Restored(
+        name, head, existing is None, len(missing), len(objects) - len(missing), repo_url
+    )
 
 
 def _objects(checked: Checked) -> dict[str, bytes]:
@@ -97,7 +104,7 @@ def _head(repo: Path, name: str) -> str | None:
     return found.stdout.decode().strip() if found.returncode == 0 else None
 
 
-def _check_parent(repo: Path, name: str, metadata: bytes) -> None:
+def _check_parent(repo_of: Callable[[str], str], name: str, metadata: bytes) -> None:
     """A fork's parent, where this fleet holds a lineage of that name, must be that one.
 
     Genealogy joins lineages by name: an archive whose metadata names a parent
@@ -107,7 +114,11 @@ def _check_parent(repo: Path, name: str, metadata: bytes) -> None:
     parent = LineageMetadata.model_validate_json(metadata).parent
     if parent is None:
         return
-    head = _head(repo, parent.lineage)
+    url = repo_of(parent.lineage)
+    if not is_local(url):
+        raise Refusal(f"import reads the parent's shared repository; {url} is remote")
+    repo = local_path(url)
+    head = _head(repo, parent.lineage) if (repo / "HEAD").exists() else None
     if head is None:
         return
     held = run_git(repo, "merge-base", "--is-ancestor", parent.commit, head, check=False)

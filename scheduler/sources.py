@@ -59,6 +59,9 @@ def named(source: Source, settings: Settings) -> str:
             )
         return f"the broker (OUROBOROS_BROKER_URL={redact_url(settings.broker)})"
     if source == "repository":
+        if settings.lineage_repos:
+            homes = ", ".join(f"{h}={redact_url(u)}" for h, u in settings.lineage_homes.items())
+            return f"the shared repositories (OUROBOROS_LINEAGE_REPOS: {homes})"
         repository = redact_url(settings.lineage_repo_url)
         return f"the shared repository (OUROBOROS_LINEAGE_REPO={repository})"
     store = redact_url(settings.observations_url)

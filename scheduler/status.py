@@ -40,7 +40,8 @@ from scheduler.genealogy import Genealogy, genealogy
 from scheduler.liveness import UNREACHABLE, Workers, ask, start_hint, waiting_line
 from scheduler.sources import Source, why
 from worker.fleet import block_markers, embedded_redis, markers, redis_keys
-from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.assembly import observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.orphans import Unacked
 from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of, run_progress
@@ -48,7 +49,8 @@ from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import GitError
 from worker.instrument.job import GenerationJob
-from worker.instrument.lineage import LineageMetadata, root_metadata
+from worker.instrument.lineage import LineageMetadata
+from worker.instrument.names import DEFAULT_HOME
 from worker.instrument.records import DEATHS
 from worker.instrument.store import StoreUnavailable
 
@@ -74,6 +76,8 @@ class LineageStatus(BaseModel):
     """
 
     lineage: str
+    # The shared repository (``OUROBOROS_LINEAGE_REPOS``) its branch is in.
+    home: str = DEFAULT_HOME
     # The cohort in the lineage's root metadata; None when it is in none.
     cohort: str | None = None
     # The lineage's totals (git: generations; the store: deaths, spend, backlog).
@@ -141,10 +145,11 @@ class FleetClient:
 
     @cached_property
     def planner(self) -> Planner:
+        store = observation_store(self.settings)
         return Planner(
             settings=self.settings,
-            store=observation_store(self.settings),
-            cache=lineage_cache(self.settings, "scheduler"),
+            store=store,
+            homes=Homes(self.settings, "scheduler", store),
             client=redis_keys.redis_client(self.settings),
             send=self._send,
             unacked=self._unacked,
@@ -196,7 +201,7 @@ class FleetClient:
         """
         outages = {} if outages is None else outages
         planner = self.planner
-        head = planner.cache.fetch(lineage)
+        head = planner.homes.fetch(lineage)
         if head is None:
             raise Refusal(f"no lineage named {lineage}; see schedule-lineage status for all")
         generation = planner.generation_count(lineage, head)
@@ -228,6 +233,7 @@ class FleetClient:
         )
         row = LineageStatus(
             lineage=lineage,
+            home=planner.homes.locate(lineage) or DEFAULT_HOME,
             cohort=meta.cohort if meta else None,
             generation=generation,
             deaths=sum(e.outcome in DEATHS for e in index) if found is not None else None,
@@ -298,7 +304,7 @@ class FleetClient:
         heads = {}
         for name in self.planner.lineages():
             try:
-                head = self.planner.cache.fetch(name)
+                head = self.planner.homes.fetch(name)
             except GitError as exc:
                 log.warning("ignoring lineage %s: %s", name, exc)
                 continue
@@ -308,7 +314,7 @@ class FleetClient:
 
     def _metadata(self, lineage: str, head: str) -> LineageMetadata | None:
         try:
-            return root_metadata(self.planner.cache, head, lineage)
+            return self.planner.homes.metadata(lineage, head)
         except Refusal:
             return None  # an imported lineage: browsable, never run by this fleet
 

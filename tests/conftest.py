@@ -28,6 +28,7 @@ from support.litellm import running_proxy
 from support.rig import Rig, Sent
 
 from worker.fleet import assembly, redis_keys
+from worker.fleet.homes import Homes
 from worker.fleet.planner import Planner
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
@@ -250,10 +251,11 @@ def rig(tmp_path: Path, client: redis.Redis, unique: Callable[[str], str]) -> Ri
         inflight_ttl_seconds=300,
     )
     sent = Sent()
+    store = assembly.observation_store(settings)
     planner = Planner(
         settings=settings,
-        store=assembly.observation_store(settings),
-        cache=assembly.lineage_cache(settings, "scheduler"),
+        store=store,
+        homes=Homes(settings, "scheduler", store),
         client=client,
         send=sent,
     )

@@ -31,7 +31,6 @@ from worker.fleet.runs import queue_of, tampered
 from worker.fleet.tasks import _after_landing
 from worker.instrument.errors import Refusal
 from worker.instrument.job import GenerationJob, ModelFailure
-from worker.instrument.lineage import root_metadata
 from worker.instrument.model.prices import Prices, builtin_prices
 
 NODE = "w1@test-host"
@@ -67,7 +66,7 @@ def refused_by_worker(rig: Rig, stem: str, provider: str = "openai") -> tuple[st
 
 def queue_in(rig: Rig, lineage: str) -> str:
     """The queue of the instrument ``lineage`` is pinned to."""
-    return queue_of(root_metadata(rig.planner.cache, rig.head(lineage), lineage))
+    return queue_of(rig.planner.homes.metadata(lineage, rig.head(lineage)))
 
 
 def failed(kind: str, answered: int = 0) -> ModelFailure:

@@ -39,7 +39,8 @@ from support.rig import Rig
 
 from worker.fleet import leases, markers, redis_keys
 from worker.fleet.app import client_app, sender, unacked_keys
-from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.assembly import observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.planner import Planner
 from worker.fleet.runs import queue_of
 from worker.fleet.settings import Settings
@@ -70,7 +71,7 @@ def send_then_die(*args):
 
 planner.send = send_then_die
 name = sys.argv[1]
-head = planner.cache.fetch(name)
+head = planner.homes.fetch(name)
 record = planner.start_run(name, head, 1, "scripted", None, Decimal("1"))
 planner.enqueue(name, job_of(record, head, record.budget_usd))
 """
@@ -92,10 +93,11 @@ STEPS = ["sent", "fetched", "received", "leased"]
 def sending_rig(settings: Settings, client: redis.Redis) -> Rig:
     """A planner that sends through Celery to the broker, as a worker's does."""
     app = client_app(settings)
+    store = observation_store(settings)
     planner = Planner(
         settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
+        store=store,
+        homes=Homes(settings, "scheduler", store),
         client=client,
         send=sender(app),
         unacked=lambda: unacked_keys(app),

@@ -1,5 +1,8 @@
 """The chaos soak, short: ``bench/soak.py`` on a small fleet, every fault kind, invariants only.
 
+Its three lineages are spread over three shared repositories (``--homes 3``), one each:
+each branch must be in its home and no other, as well as every invariant below.
+
 The soak starts its own fleet (private Redis with AOF, moto behind a switchable proxy,
 real workers, ``reconcile --loop``), alternates a fault-free and a chaos round, and
 exits 1 if any invariant fails: a generation lost or doubled, an extra or mismatched
@@ -35,6 +38,7 @@ SHORT = [
     "--outage", "5",
     "--lease", "6",
     "--reconcile", "1",
+    "--homes", "3",
 ]  # fmt: skip
 
 
@@ -46,3 +50,4 @@ def test_a_short_soak_keeps_every_invariant() -> None:
     assert result.returncode == 0, report
     assert "invariants: all hold" in result.stdout, report
     assert "chaos" in result.stdout
+    assert "homes: default 1, h1 1, h2 1" in result.stdout, report

@@ -59,6 +59,10 @@ COMMANDS: dict[str, Lazy] = {
         "scheduler.cli.lineages:cancel",
         "Stop NAME's run after the generation in flight (if any) lands.",
     ),
+    "move": Lazy(
+        "scheduler.cli.lineages:move",
+        "Move lineage NAME to another shared repository (home), while no run drives it.",
+    ),
     "reconcile": Lazy(
         "scheduler.cli.lineages:reconcile",
         "Re-enqueue every lineage whose run wants more and has nothing in flight.",
@@ -97,7 +101,7 @@ COMMANDS: dict[str, Lazy] = {
     ),
     "repack": Lazy(
         "scheduler.cli.repack:repack",
-        "Pack this host's lineage repositories: every cache, and a local shared repository.",
+        "Pack this host's lineage repositories: every cache, and every local shared one.",
     ),
     "stop-redis": Lazy(
         "scheduler.cli.broker:stop_redis",

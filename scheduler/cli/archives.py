@@ -22,7 +22,8 @@ from scheduler.export import export_lineage
 from scheduler.output import console, warn
 from scheduler.restore import ArchiveProblems, restore
 from scheduler.verify import check
-from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.assembly import observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.places import require_places
 
 
@@ -37,9 +38,9 @@ from worker.fleet.places import require_places
 def export_command(name: str, target: Path | None) -> None:
     """Write lineage NAME, its observations, run records and metadata to one archive."""
     settings = load_settings()
-    done = export_lineage(
-        name, target, lineage_cache(settings, "scheduler"), observation_store(settings)
-    )
+    store = observation_store(settings)
+    cache = Homes(settings, "scheduler", store).home_cache(name)
+    done = export_lineage(name, target, cache, store)
     for note in done.notes:
         warn("note", note)
     m = done.manifest
@@ -106,23 +107,36 @@ def _replayed_diverged(archive: Path, lineage: str) -> bool:
             update={
                 "home": Path(scratch),
                 "lineage_repo": "",
+                "lineage_repos": {},
                 "observations": "",
                 "state_dir": None,
             }
         )
-        restore(archive, own.lineage_repo_url, observation_store(own))
+        restore(archive, lambda _: own.lineage_repo_url, observation_store(own))
         pipeline = build_pipeline(own, cache_role="replay")
         return bool(replay_lineage(pipeline, lineage, (None, None), console)["diverged"])
 
 
 @click.command("import")
 @click.argument("archive", type=click.Path(path_type=Path, dir_okay=False))
-def import_command(archive: Path) -> None:
-    """Add the lineage of an export archive, verified first, to this fleet (write-once)."""
+@click.option(
+    "--home",
+    metavar="HOME",
+    help="The shared repository (OUROBOROS_LINEAGE_REPOS) to add it to [chosen by its name].",
+)
+def import_command(archive: Path, home: str | None) -> None:
+    """Add the lineage of an export archive, verified first, to this fleet (write-once).
+
+    A lineage already here stays in its home; a new one goes to the home --home names,
+    else to the one its name chooses."""
     settings = load_settings()
     require_places(settings, write=True, missing_ok=True)
+    store = observation_store(settings)
+    homes = Homes(settings, "scheduler", store)
+    if home is not None:
+        homes.require(home)
     try:
-        done = restore(archive, settings.lineage_repo_url, observation_store(settings))
+        done = restore(archive, lambda name: homes.repository(name, home), store)
     except ArchiveProblems as exc:
         for problem in exc.problems:
             warn("problem", problem)
@@ -130,7 +144,7 @@ def import_command(archive: Path) -> None:
     branch = "created" if done.branch_created else "already there"
     console.print(
         f"imported lineage {done.lineage} (branch lineage-{done.lineage} at {done.head[:12]}, "
-        f"{branch}) into {settings.lineage_repo_url}; {done.written} records written, "
+        f"{branch}) into {done.repository}; {done.written} records written, "
         f"{done.present} already present",
         highlight=False,
         markup=False,

@@ -80,16 +80,27 @@ def _refusing() -> Iterator[None]:
 @click.command("import-bundle")
 @click.argument("bundle", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("name")
-def import_bundle_command(bundle: Path, name: str) -> None:
+@click.option(
+    "--home",
+    metavar="HOME",
+    help="The shared repository (OUROBOROS_LINEAGE_REPOS) to add it to [chosen by its name].",
+)
+def import_bundle_command(bundle: Path, name: str, home: str | None) -> None:
     """Import the single-branch git BUNDLE as lineage NAME (read-only history, no observations)."""
+    from worker.fleet.assembly import observation_store
+    from worker.fleet.homes import Homes
+    from worker.instrument.lineage import check_name
+
     settings = load_settings()
     require_places(settings, write=True, missing_ok=True)
-    head = import_bundle(bundle, name, settings.lineage_repo_url)
+    homes = Homes(settings, "scheduler", observation_store(settings))
+    repository = homes.repository(check_name(name), home)
+    head = import_bundle(bundle, name, repository)
     console.print(
         Text.assemble(
             "imported lineage ",
             (name, "bold"),
-            f" (branch lineage-{name} at {head[:12]}) into {settings.lineage_repo_url}",
+            f" (branch lineage-{name} at {head[:12]}) into {repository}",
         ),
         highlight=False,
     )

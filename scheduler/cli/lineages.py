@@ -28,7 +28,8 @@ from scheduler.cohorts import MAX_REPLICATES, members, replicate_names
 from scheduler.fork import describe as describe_fork
 from scheduler.fork import resolve, seed_of
 from scheduler.output import console, plain, warn
-from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
+from worker.fleet.assembly import Pipelines, observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.places import require_places
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
@@ -40,7 +41,6 @@ from worker.instrument.lineage import (
     LineageMetadata,
     Parentage,
     check_cohort,
-    check_free,
     check_name,
     create_lineage,
     read_seed,
@@ -109,6 +109,12 @@ def physics_options(command: F) -> F:
     return command
 
 
+HOME_OPTION = click.option(
+    "--home",
+    metavar="HOME",
+    help="The shared repository (OUROBOROS_LINEAGE_REPOS) to make it in [chosen by its name].",
+)
+
 COHORT_OPTION = click.option(
     "--cohort",
     metavar="LABEL",
@@ -125,19 +131,22 @@ COHORT_OPTION = click.option(
     help="Create K lineages NAME-1..NAME-K from one seed and physics, as cohort NAME.",
 )
 @COHORT_OPTION
+@HOME_OPTION
 @physics_options
 def init(
     name: str,
     seed: Path | None,
     replicates: int | None,
     cohort: str | None,
+    home: str | None,
     **physics_options: object,
 ) -> None:
     """Create lineage NAME: branch lineage-NAME with its seed commit and pinned physics.
 
     With --replicates K, K lineages NAME-1..NAME-K of the same seed and physics,
     recorded as one cohort (NAME unless --cohort says otherwise); none is created if
-    any of the names is taken.
+    any of the names is taken. Each goes to the home --home names, else to the one its
+    name chooses (worker.fleet.homes).
     """
     settings = load_settings()
     physics = physics_from(physics_options)
@@ -145,37 +154,47 @@ def init(
     names = replicate_names(name, replicates) if replicates else [name]
     label = check_cohort(cohort) if cohort else (name if replicates else None)
     body = read_seed(seed) if seed else current().seed
+    homes = scheduler_homes(settings)
+    if home is not None:
+        homes.require(home)
     for made in require_places(settings, write=True, create=True):
         warn("note", made)
-    ensure_shared_repo(settings.lineage_repo_url)
-    cache, store = lineage_cache(settings, "scheduler"), observation_store(settings)
+    chosen = {each: homes.claim(each, home) for each in names}
     for each in names:
-        check_free(each, cache, store)
-    for each in names:
-        meta = create(settings, each, body, physics, cohort=label)
+        meta = create(homes, each, body, physics, home=chosen[each], cohort=label)
         console.print(
             Text.assemble(
                 "created lineage ",
                 (meta.name, "bold"),
-                f" (branch lineage-{meta.name}) in {settings.lineage_repo_url}; "
-                f"instrument {meta.instrument_fingerprint[:12]}",
+                f" (branch lineage-{meta.name}) in {settings.lineage_homes[meta.home_name]}",
+                f" (home {meta.home_name})" if len(settings.lineage_homes) > 1 else "",
+                f"; instrument {meta.instrument_fingerprint[:12]}",
                 f"; cohort {label}" if label else "",
             )
         )
 
 
+def scheduler_homes(settings: Settings) -> Homes:
+    """The scheduler's caches of every home, with the store that names a missing one's."""
+    return Homes(settings, "scheduler", observation_store(settings))
+
+
 def create(
-    settings: Settings,
+    homes: Homes,
     name: str,
     seed: bytes,
     physics: Physics,
+    *,
+    home: str,
     files: dict[str, Entry] | None = None,
     parent: Parentage | None = None,
     cohort: str | None = None,
 ) -> LineageMetadata:
-    """A new lineage pinned to the instrument running here (``init`` and ``fork``)."""
+    """A new lineage pinned to the instrument running here (``init`` and ``fork``), in
+    ``home``; a fork's ``files`` are already in that home's cache."""
+    settings = homes.settings
     repository, ref = instrument_provenance()
-    ensure_shared_repo(settings.lineage_repo_url)
+    ensure_shared_repo(settings.lineage_homes[home])
     return create_lineage(
         name=name,
         seed=seed,
@@ -184,11 +203,12 @@ def create(
         commit=instrument_commit(settings.instrument_commit),
         repository=repository,
         ref=ref,
-        cache=lineage_cache(settings, "scheduler"),
+        cache=homes.cache(home),
         store=observation_store(settings),
         files=files,
         parent=parent,
         cohort=cohort,
+        home=home,
     )
 
 
@@ -202,19 +222,39 @@ def create(
     help="Lineage to fork; @N its generation N (0: the seed), @COMMIT any commit [head].",
 )
 @COHORT_OPTION
+@HOME_OPTION
 @physics_options
-def fork(name: str, source_spec: str, cohort: str | None, **physics_options: object) -> None:
-    """Create lineage NAME seeded from a generation of another, under this instrument."""
+def fork(
+    name: str, source_spec: str, cohort: str | None, home: str | None, **physics_options: object
+) -> None:
+    """Create lineage NAME seeded from a generation of another, under this instrument.
+
+    NAME goes to the home --home names, else to the one its name chooses, whatever the
+    parent's: the seed's objects are copied there from the parent's home.
+    """
     settings = load_settings()
     check_name(name)
     if cohort:
         check_cohort(cohort)
     require_places(settings, write=True)
-    cache = lineage_cache(settings, "scheduler")
+    homes = scheduler_homes(settings)
+    cache = homes.home_cache(source_spec.partition("@")[0])
     source = resolve(cache, source_spec)
     physics = physics_from(physics_options, source.physics)
     seed = seed_of(cache, source, physics)
-    meta = create(settings, name, seed.body, physics, seed.files, seed.parent, cohort)
+    target = homes.claim(name, home)
+    ensure_shared_repo(settings.lineage_homes[target])
+    homes.cache(target).adopt(cache, seed.tree)
+    meta = create(
+        homes,
+        name,
+        seed.body,
+        physics,
+        home=target,
+        files=seed.files,
+        parent=seed.parent,
+        cohort=cohort,
+    )
     for line in describe_fork(meta, source):
         console.print(line, highlight=False, markup=False)
     if meta.cohort:
@@ -279,11 +319,11 @@ def run(
     heads: dict[str, str] = {}
     for name in names:
         check_name(name)
-        head = planner.cache.fetch(name)
+        head = planner.homes.fetch(name)
         if head is None:
             raise Refusal(f"no lineage named {name}; create it with schedule-lineage init")
         heads[name] = head
-    metas = {name: root_metadata(planner.cache, head, name) for name, head in heads.items()}
+    metas = {name: planner.homes.metadata(name, head) for name, head in heads.items()}
     for meta in metas.values():
         planner.require_deliverable(meta)
     # Refused before any run is recorded: prices the run cannot be charged at, or live
@@ -363,15 +403,16 @@ def run_local(
 ) -> None:
     """Generations in this process, through the same pipeline the Celery task runs."""
     make_provider(provider, model, settings)
-    pipeline = build_pipeline(settings, ceiling)
+    pipelines = Pipelines(settings, ceiling)
     for name in names:
-        pipeline.head(name)
+        pipelines.of(name).head(name)
     shown = _Waits()
     waits.addHandler(shown)
     waits.setLevel(logging.DEBUG)
     waits.propagate = False  # shown here, once, whatever logging a library configured
     for name in names:
         for _ in range(generations):
+            pipeline = pipelines.of(name)
             head = pipeline.head(name)
             job = GenerationJob(lineage=name, expected_commit=head, provider=provider, model=model)
             number = pipeline.cache.history(name, head).generations + 1
@@ -428,6 +469,48 @@ def cancel(name: str) -> None:
     if cancelled is None:
         raise Refusal(f"lineage {name} has no active run to cancel")
     console.print(f"cancelled run {cancelled.run_id} of {name}")
+
+
+@click.command()
+@click.argument("name")
+@click.option("--to", "home", required=True, metavar="HOME", help="The home to move it to.")
+def move(name: str, home: str) -> None:
+    """Move lineage NAME to another shared repository (home), while no run drives it.
+
+    Its branch is copied to HOME's repository and then deleted from the one it leaves;
+    its history, observations and records are untouched. Refused while it has an active
+    run or a generation in flight: cancel the run and let that generation land first.
+    """
+    from scheduler.status import FleetClient
+
+    settings = load_settings()
+    check_name(name)
+    require_places(settings, write=True)
+    fleet = FleetClient(settings, start_broker=False)
+    planner = fleet.planner
+    planner.homes.require(home)
+    run = planner.latest_run(name)
+    if run is not None and run.status == "active":
+        raise Refusal(
+            f"lineage {name} has an active run ({run.run_id}); stop it with "
+            f"schedule-lineage cancel {name}, then move it"
+        )
+    if fleet.broker_up:
+        from worker.fleet import markers
+
+        if markers.in_flight(planner.client, name):
+            raise Refusal(
+                f"lineage {name} has a generation in flight; move it once that lands "
+                f"(schedule-lineage status {name})"
+            )
+    source, head = planner.homes.move(name, home)
+    console.print(
+        f"moved lineage {name} (branch lineage-{name} at {head[:12]}) from home {source} "
+        f"to home {home} ({settings.lineage_homes[home]})",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
 
 
 @click.command()

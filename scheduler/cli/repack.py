@@ -32,12 +32,15 @@ def _loose(repo: Path) -> int:
 
 @click.command()
 def repack() -> None:
-    """Pack this host's lineage repositories: every cache, and a local shared repository."""
+    """Pack this host's lineage repositories: every cache, and every local shared one."""
     settings = load_settings()
-    repos = sorted(p for p in (settings.state_path / "cache").glob("*/lineages.git"))
-    shared = local_repository(settings.lineage_repo_url)
-    if shared is not None and (shared / "HEAD").exists():
-        repos.append(shared)
+    caches = settings.state_path / "cache"
+    # A role's cache of the default home, and of each other home (worker.fleet.assembly).
+    repos = sorted([*caches.glob("*/lineages.git"), *caches.glob("*/homes/*.git")])
+    for url in settings.lineage_homes.values():
+        shared = local_repository(url)
+        if shared is not None and (shared / "HEAD").exists():
+            repos.append(shared)
     for repo in repos:
         hardened = harden(repo)
         if hardened:

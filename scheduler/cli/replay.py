@@ -2,7 +2,7 @@
 
 Imported only when it runs (see ``scheduler.cli``). Parses which generations
 (``NAME@GEN``, ``NAME@A..B`` or ``NAME --all``), builds the pipeline as ``run --local``
-does but on a cache of its own (``build_pipeline(cache_role="replay")``), and replays
+does but on caches of its own (``Pipelines(cache_role="replay")``, one per home), and replays
 them (``scheduler.replaying``), each report kept as the generation's latest replay;
 with ``--fleet`` the workers of the lineage's instrument replay them instead.
 Nothing else is written: no lease, branch, observation, run record or spool; no
@@ -24,7 +24,7 @@ import click
 
 from scheduler.cli.common import load_settings
 from scheduler.output import console
-from worker.fleet.assembly import build_pipeline
+from worker.fleet.assembly import Pipelines
 from worker.fleet.places import require_places
 from worker.instrument.errors import Refusal
 from worker.instrument.lineage import check_name
@@ -75,7 +75,7 @@ def replay_command(target: str, everything: bool, on_fleet: bool, ceiling: str |
     if on_fleet:
         verdicts = replay_on_fleet(settings, name, (first, last), console)
     else:
-        pipeline = build_pipeline(settings, ceiling, cache_role="replay")
-        verdicts = replay_lineage(pipeline, name, (first, last), console)
+        pipelines = Pipelines(settings, ceiling, cache_role="replay")
+        verdicts = replay_lineage(pipelines.of(name), name, (first, last), console)
     if verdicts["diverged"] or verdicts["unreported"]:
         sys.exit(1)

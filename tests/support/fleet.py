@@ -236,9 +236,9 @@ class Fleet:
             )
         return result
 
-    def refused(self, *args: str) -> str:
+    def refused(self, *args: str, **env: str) -> str:
         """``cli``, which must refuse: exit 2, one line on stderr, no traceback; the line."""
-        result = self.cli(*args)
+        result = self.cli(*args, **env)
         assert result.returncode == 2, result.stdout + result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -24,7 +24,8 @@ import redis
 
 from support.fleet import PrivateRedis
 from worker.fleet import holders, redis_keys
-from worker.fleet.assembly import lineage_cache, observation_store
+from worker.fleet.assembly import observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.planner import Planner
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.runs import RunRecord
@@ -34,7 +35,7 @@ from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry
 from worker.instrument.job import GenerationJob, GenerationReport
 from worker.instrument.lineage import LineageMetadata, create_lineage
-from worker.instrument.names import ORGANISM_PATH
+from worker.instrument.names import DEFAULT_HOME, ORGANISM_PATH
 from worker.instrument.physics import Physics
 from worker.instrument.records import IndexEntry, LineageIndex
 from worker.instrument.store_keys import index_key
@@ -93,19 +94,19 @@ class Rig:
             commit="a" * 40,
             repository="tests",
             ref="tests",
-            cache=self.planner.cache,
+            cache=self.planner.homes.cache(DEFAULT_HOME),
             store=self.planner.store,
         )
         return name, meta
 
     def head(self, lineage: str) -> str:
-        head = self.planner.cache.fetch(lineage)
+        head = self.planner.homes.fetch(lineage)
         assert head is not None
         return head
 
     def land(self, lineage: str, generation: int) -> str:
         """Push generation ``generation`` (a ``gen N: changed`` commit) onto the lineage."""
-        cache = self.planner.cache
+        cache = self.planner.homes.home_cache(lineage)
         parent = self.head(lineage)
         tree = cache.tree(parent)
         body = SEED + f";; generation {generation}\n".encode()
@@ -197,10 +198,11 @@ def planner_rig(tmp_path: Path, server: PrivateRedis, client: redis.Redis) -> Ri
         visibility_timeout_seconds=7200,
         inflight_ttl_seconds=3600,
     )
+    store = observation_store(settings)
     planner = Planner(
         settings=settings,
-        store=observation_store(settings),
-        cache=lineage_cache(settings, "scheduler"),
+        store=store,
+        homes=Homes(settings, "scheduler", store),
         client=client,
         send=Sent(),
     )

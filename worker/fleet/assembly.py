@@ -13,29 +13,44 @@ from typing import TYPE_CHECKING
 
 from worker.fleet.places import state_dir
 from worker.fleet.settings import Settings
+from worker.instrument.errors import Refusal
 from worker.instrument.fingerprint import current, instrument_commit
 from worker.instrument.gitrepo import LineageCache
 from worker.instrument.model.throttle import Cap, LocalThrottle
+from worker.instrument.names import DEFAULT_HOME
 from worker.instrument.spool import Spool
 from worker.instrument.store import ObservationStore, open_store
 
 if TYPE_CHECKING:
+    from worker.fleet.homes import Homes
+    from worker.instrument.job import GenerationJob, GenerationReport
     from worker.instrument.model.throttle import Throttle
     from worker.instrument.pipeline import Pipeline
 
 
-def lineage_cache(settings: Settings, role: str = "worker") -> LineageCache:
-    """The local cache of the shared repository; each role keeps its own on a host.
+def lineage_cache(
+    settings: Settings, role: str = "worker", home: str = DEFAULT_HOME
+) -> LineageCache:
+    """The local cache of one home's shared repository; each role keeps its own on a host.
 
-    Replay's writes no object: what a replayed life made is hashed and judged, never
-    stored (a hostile review saw replays of a life writing random data add its blobs to
-    the shared repository on every replay).
+    The default home's cache keeps the path it had before homes existed, so a host's
+    caches stay warm. Replay's writes no object: what a replayed life made is hashed and
+    judged, never stored (a hostile review saw replays of a life writing random data
+    add its blobs to the shared repository on every replay).
     """
+    place = "lineages.git" if home == DEFAULT_HOME else f"homes/{home}.git"
     return LineageCache(
-        state_dir(settings) / "cache" / role / "lineages.git",
-        settings.lineage_repo_url,
+        state_dir(settings) / "cache" / role / place,
+        settings.lineage_homes[home],
         writes_objects=role != "replay",
     )
+
+
+def home_spool(settings: Settings, home: str = DEFAULT_HOME) -> Spool:
+    """Where the pipeline of ``home`` keeps its pending publications: one spool per home,
+    so a publication is only ever pushed to its own lineage's home."""
+    place = "spool" if home == DEFAULT_HOME else f"spools/{home}"
+    return Spool(state_dir(settings) / place)
 
 
 def observation_store(settings: Settings) -> ObservationStore:
@@ -99,7 +114,7 @@ def build_pipeline(
     commit = instrument_commit(settings.instrument_commit)
     driver = select_ceiling(ceiling or settings.ceiling, settings.cgroup_parent)
     store, cache = observation_store(settings), lineage_cache(settings, cache_role)
-    spool = Spool(state_dir(settings) / "spool")
+    spool = home_spool(settings)
     throttle = model_throttle(settings, shared=shared_cap)
     # The host last, as the pipeline itself once probed it: a refusal about the store
     # or the ceiling still comes first.
@@ -115,3 +130,71 @@ def build_pipeline(
         spool=spool,
         throttle=throttle,
     )
+
+
+class Pipelines:
+    """One pipeline per home, built on first use from the first one's parts (the host's
+    probes, sandbox, store and model cap are the host's, whatever the home): each has
+    its home's cache and spool, so a generation is published to its lineage's home only.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        ceiling: str | None = None,
+        *,
+        shared_cap: bool = False,
+        cache_role: str = "worker",
+    ) -> None:
+        """The arguments are ``build_pipeline``'s."""
+        from worker.fleet.homes import Homes
+
+        self.settings = settings
+        self.first = build_pipeline(settings, ceiling, shared_cap=shared_cap, cache_role=cache_role)
+        self.homes: Homes = Homes(settings, cache_role, self.first.store)
+        self._built: dict[str, Pipeline] = {DEFAULT_HOME: self.first}
+
+    def home(self, home: str) -> Pipeline:
+        """The pipeline whose cache and spool are ``home``'s."""
+        from worker.instrument.pipeline import Pipeline
+
+        if home not in self._built:
+            base = self.first
+            self._built[home] = Pipeline(
+                settings=base.settings,
+                instrument=base.instrument,
+                instrument_commit=base.instrument_commit,
+                host=base.host,
+                sandbox=base.sandbox,
+                store=base.store,
+                cache=self.homes.cache(home),
+                spool=home_spool(self.settings, home),
+                throttle=base.throttle,
+                providers=base.providers,
+            )
+        return self._built[home]
+
+    def of(self, lineage: str) -> Pipeline:
+        """The pipeline of the home ``lineage`` lives in (its rule's choice if none holds
+        it: that pipeline then refuses it as missing, as a fleet of one home does)."""
+        found = self.homes.locate(lineage)
+        return self.home(found if found is not None else self.homes.choose(lineage))
+
+    def run(
+        self, job: GenerationJob, *, task_id: str | None = None, attempt: int = 1
+    ) -> GenerationReport:
+        """``Pipeline.run`` in the lineage's home; once more in its new home when the
+        branch left the one this process remembered (moved while its run was stopped)."""
+        try:
+            return self.of(job.lineage).run(job, task_id=task_id, attempt=attempt)
+        except Refusal:
+            if not self.homes.moved(job.lineage):
+                raise
+        return self.of(job.lineage).run(job, task_id=task_id, attempt=attempt)
+
+    def drain(self) -> int:
+        """Finish every home's pending publications; how many remain pending."""
+        return sum(pipeline.drain() for pipeline in self._each_home())
+
+    def _each_home(self) -> list[Pipeline]:
+        return [self.home(home) for home in self.settings.lineage_homes]

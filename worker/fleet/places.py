@@ -27,6 +27,7 @@ from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import local_repository
+from worker.instrument.names import DEFAULT_HOME
 from worker.instrument.store import FileStore, open_store
 
 
@@ -50,12 +51,19 @@ class Place:
 
 
 def places(settings: Settings) -> list[Place]:
-    """The local shared repository and file store of ``settings``, if they are local."""
+    """The local shared repositories (every home's) and file store of ``settings``, if
+    they are local."""
     found = []
-    repo = local_repository(settings.lineage_repo_url)
-    if repo is not None:
-        variable = "OUROBOROS_LINEAGE_REPO" if settings.lineage_repo else "OUROBOROS_HOME"
-        found.append(Place("shared lineage repository", repo.absolute(), variable, True))
+    for home, url in settings.lineage_homes.items():
+        repo = local_repository(url)
+        if repo is None:
+            continue
+        if home != DEFAULT_HOME or DEFAULT_HOME in settings.lineage_repos:
+            what, variable = f"shared lineage repository of home {home}", "OUROBOROS_LINEAGE_REPOS"
+        else:
+            what = "shared lineage repository"
+            variable = "OUROBOROS_LINEAGE_REPO" if settings.lineage_repo else "OUROBOROS_HOME"
+        found.append(Place(what, repo.absolute(), variable, True))
     store = open_store(settings.observations_url, settings)
     if isinstance(store, FileStore):
         variable = "OUROBOROS_OBSERVATIONS" if settings.observations else "OUROBOROS_HOME"

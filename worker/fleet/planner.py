@@ -31,6 +31,7 @@ from decimal import Decimal
 import redis
 
 from worker.fleet import block_markers, leases, markers, orphans
+from worker.fleet.homes import Homes
 from worker.fleet.orphans import Unacked
 from worker.fleet.outage import Outage, probe
 from worker.fleet.runs import (
@@ -44,13 +45,11 @@ from worker.fleet.runs import (
 )
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import LineageCache
 from worker.instrument.index import read_index
 from worker.instrument.job import GenerationJob, GenerationReport
-from worker.instrument.lineage import LineageMetadata, root_metadata
+from worker.instrument.lineage import LineageMetadata
 from worker.instrument.model.catalogue import model_of, require_known
 from worker.instrument.model.prices import Prices, resolve_prices
-from worker.instrument.names import BRANCH_PREFIX, is_lineage_name
 from worker.instrument.records import LineageIndex
 from worker.instrument.store import ObservationStore, StoreUnavailable
 from worker.instrument.store_keys import run_key, runs_prefix
@@ -66,7 +65,7 @@ class Planner:
         *,
         settings: Settings,
         store: ObservationStore,
-        cache: LineageCache,
+        homes: Homes,
         client: redis.Redis,
         send: Send,
         unacked: Callable[[], Unacked] | None = None,
@@ -75,31 +74,15 @@ class Planner:
         asked at the first reconcile pass; without it, no pass looks for orphaned jobs."""
         self.settings = settings
         self.store = store
-        self.cache = cache
+        self.homes = homes
         self.client = client
         self.send = send
         self.unacked = unacked
         self.store_outage = Outage("the observation store", "reconciler", log)
 
     def lineages(self) -> list[str]:
-        """Every lineage branch in the shared repository.
-
-        A foreign ref there (a name git refuses, or content that names no object, as
-        ls-remote shows it: all zeros) is no lineage: left out with a warning, so one
-        broken ref never stops the reconciler or ``status`` for every lineage.
-        """
-        out = self.cache.ls_remote("refs/heads/*")
-        prefix = f"refs/heads/{BRANCH_PREFIX}"
-        names = []
-        for line in out.splitlines():
-            sha, _, ref = line.partition("\t")
-            if not ref.startswith(prefix):
-                continue
-            if is_lineage_name(name := ref.removeprefix(prefix)) and sha.strip("0"):
-                names.append(name)
-            else:
-                log.warning("ignoring %s: not a lineage branch git can read", ref)
-        return sorted(names)
+        """Every lineage branch of every home (``Homes.lineages``)."""
+        return list(self.homes.lineages())
 
     def runs(self, lineage: str) -> list[RunRecord]:
         keys = self.store.list(runs_prefix(lineage))
@@ -123,7 +106,7 @@ class Planner:
         return read_index(self.store, lineage, since)
 
     def generation_count(self, lineage: str, head: str) -> int:
-        return self.cache.history(lineage, head).generations
+        return self.homes.home_cache(lineage).history(lineage, head).generations
 
     def progress(self, run: RunRecord, head: str) -> Progress:
         # Only the run's own generations count: read as much index as the run is long.
@@ -193,7 +176,7 @@ class Planner:
         run = self.latest_run(lineage)
         if run is None or run.status != "active":
             return None
-        head = self.cache.fetch(lineage)
+        head = self.homes.fetch(lineage)
         if head is None:
             return None
         progress = self.progress(run, head)
@@ -242,7 +225,7 @@ class Planner:
 
         first: at the front of the queue, ahead of every job already waiting there.
         """
-        meta = root_metadata(self.cache, job.expected_commit, job.lineage)
+        meta = self.homes.metadata(job.lineage, job.expected_commit)
         self.require_deliverable(meta)
         job_id = f"{job.lineage}.{job.expected_commit[:12]}.{secrets.token_hex(4)}"
         # Claimed for a lease's time until the job is surely queued: a send that fails

@@ -29,9 +29,14 @@ from pydantic import (
 from pydantic_settings import NoDecode
 
 from worker.instrument.errors import Refusal
+from worker.instrument.names import DEFAULT_HOME, HOME_PATTERN
 from worker.instrument.settings import InstrumentSettings
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+# A home's name is short and plain: it is part of a cache's path, a spool's and a root's.
+HomeName = Annotated[str, StringConstraints(pattern=HOME_PATTERN)]
+# As OUROBOROS_LINEAGE_REPO takes it: a path, file://, ssh:// or git's host:path.
+RepoUrl = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^\S+$")]
 
 
 class ModelLimits(BaseModel):
@@ -50,6 +55,10 @@ class Settings(InstrumentSettings):
     home: Path = Path(".ouroboros")
     broker_url: str = ""
     lineage_repo: str = ""
+    # Several shared repositories ("homes"), JSON: home name -> repository URL (a local
+    # path or ssh://). Empty: one home, ``default``, at ``lineage_repo`` (worker.fleet.homes).
+    # Parsed here, not by pydantic-settings, so bad JSON is refused in one line.
+    lineage_repos: Annotated[dict[HomeName, RepoUrl], NoDecode] = Field(default_factory=dict)
     observations: str = ""
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
@@ -101,15 +110,12 @@ class Settings(InstrumentSettings):
     @field_validator("model_cap_per_model", mode="before")
     @classmethod
     def _model_caps_from_json(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        try:
-            return json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"not JSON ({exc.msg} at character {exc.pos}); "
-                'use e.g. {"gpt-4o": {"requests_per_minute": 30}}'
-            ) from None
+        return _json_object(value, '{"gpt-4o": {"requests_per_minute": 30}}')
+
+    @field_validator("lineage_repos", mode="before")
+    @classmethod
+    def _homes_from_json(cls, value: Any) -> Any:
+        return _json_object(value, '{"a": "/srv/a.git", "b": "ssh://host/srv/b.git"}')
 
     @property
     def home_dir(self) -> Path:
@@ -126,7 +132,18 @@ class Settings(InstrumentSettings):
 
     @property
     def lineage_repo_url(self) -> str:
-        return self.lineage_repo or str(self.home_dir / "lineages.git")
+        """The default home's repository (the only one unless OUROBOROS_LINEAGE_REPOS)."""
+        return (
+            self.lineage_repos.get(DEFAULT_HOME)
+            or self.lineage_repo
+            or str(self.home_dir / "lineages.git")
+        )
+
+    @property
+    def lineage_homes(self) -> dict[str, str]:
+        """Every home's repository URL by name, in name order; ``default`` always among them."""
+        homes = {**self.lineage_repos, DEFAULT_HOME: self.lineage_repo_url}
+        return dict(sorted(homes.items()))
 
     @property
     def observations_url(self) -> str:
@@ -135,6 +152,18 @@ class Settings(InstrumentSettings):
     @property
     def state_path(self) -> Path:
         return (self.state_dir or self.home_dir / "state").expanduser().resolve()
+
+
+def _json_object(value: Any, example: str) -> Any:
+    """A setting's JSON text parsed (empty: {}); other values are left to pydantic."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"not JSON ({exc.msg} at character {exc.pos}); use e.g. {example}"
+        ) from None
 
 
 def load_settings() -> Settings:

@@ -74,7 +74,8 @@ from worker.fleet.app import (
     serve,
     unacked_keys,
 )
-from worker.fleet.assembly import build_pipeline, lineage_cache, observation_store
+from worker.fleet.assembly import Pipelines, observation_store
+from worker.fleet.homes import Homes
 from worker.fleet.places import require_store_of_fleet
 from worker.fleet.planner import Planner
 from worker.fleet.runs import RunRecord, tampered
@@ -83,7 +84,6 @@ from worker.fleet.transport import ScreeningAMQP
 from worker.instrument.errors import Refusal, StaleJob
 from worker.instrument.fingerprint import Instrument
 from worker.instrument.job import GenerationJob, GenerationReport, ReplayJob
-from worker.instrument.pipeline import Pipeline
 from worker.instrument.records import ReplayReport
 from worker.instrument.replay import keep, recorded, replay, replay_problem
 from worker.instrument.store import StoreUnavailable
@@ -172,10 +172,11 @@ class WorkerApp:
         return redis_keys.redis_client(self.settings, outlast_restart=True)
 
     def planner_on(self, client: redis.Redis) -> Planner:
+        store = observation_store(self.settings)
         return Planner(
             settings=self.settings,
-            store=observation_store(self.settings),
-            cache=lineage_cache(self.settings),
+            store=store,
+            homes=Homes(self.settings, store=store),
             client=client,
             send=sender(self.app),
             unacked=lambda: unacked_keys(self.app),
@@ -193,14 +194,15 @@ class WorkerApp:
         return self.planner_on(self.main_client)
 
     @cached_property
-    def pipeline(self) -> Pipeline:
-        return build_pipeline(self.settings, shared_cap=True)
+    def pipelines(self) -> Pipelines:
+        """The pipeline of each home (a pool child's; the main process's for its drains)."""
+        return Pipelines(self.settings, shared_cap=True)
 
     @cached_property
-    def replay_pipeline(self) -> Pipeline:
-        """A pool child's pipeline for replays, on a cache of the shared repository of its
+    def replay_pipelines(self) -> Pipelines:
+        """A pool child's pipelines for replays, on caches of the shared repositories of its
         own, so the objects a replay's judgement hashes never enter the generations'."""
-        return build_pipeline(self.settings, cache_role="replay")
+        return Pipelines(self.settings, cache_role="replay")
 
     @cached_property
     def planner(self) -> Planner:
@@ -267,7 +269,7 @@ class WorkerApp:
         report = None
         try:
             with leases.holding(client, job.lineage, request.id, self.settings.lease_seconds):
-                report = self.pipeline.run(job, task_id=request.id, attempt=attempt)
+                report = self.pipelines.run(job, task_id=request.id, attempt=attempt)
                 if report is not None:
                     blocks.stop_for_provider(client, job, report, request.hostname, queue)
         except leases.LeaseBusy:
@@ -296,8 +298,8 @@ class WorkerApp:
         except ValidationError as exc:
             log.error("rejected a replay job: %s", exc.errors()[0]["msg"])
             return "rejected"
-        pipeline = self.replay_pipeline
         try:
+            pipeline = self.replay_pipelines.of(job.lineage)
             problem = replay_problem(pipeline.cache, pipeline.head(job.lineage), job)
         except Refusal as exc:
             problem = str(exc)
@@ -336,7 +338,7 @@ class WorkerApp:
         try:
             embedded_redis.ensure(settings)
             require_store_of_fleet(settings)
-            remaining = self.pipeline.drain()
+            remaining = self.pipelines.drain()
         except Refusal as exc:
             log.critical("refusing to start: %s", exc)
             print(f"error: {exc}", file=sys.stderr)
@@ -350,7 +352,7 @@ class WorkerApp:
         )
         threading.Thread(
             target=upkeep.drain_forever,
-            args=(lambda: self.pipeline, settings),
+            args=(lambda: self.pipelines, settings),
             name="spool-drain",
             daemon=True,
         ).start()

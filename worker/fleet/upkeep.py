@@ -24,12 +24,12 @@ from celery.worker import state as worker_state
 from kombu.exceptions import OperationalError
 
 from worker.fleet import leases, markers
+from worker.fleet.assembly import Pipelines
 from worker.fleet.outage import Outage, probe
 from worker.fleet.planner import Planner
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
 from worker.instrument.gitrepo import GitError
-from worker.instrument.pipeline import Pipeline
 from worker.instrument.store import StoreUnavailable
 
 # How often a worker looks for jobs whose holder died on its host: a few cheap Redis
@@ -128,15 +128,15 @@ def take_turns(
             log.info("reconcile turn: re-enqueued %s", ", ".join(enqueued))
 
 
-def drain_forever(pipeline: Callable[[], Pipeline], settings: Settings) -> None:
-    """Finish the spool's pending publications every ``spool_retry_seconds``, probing the
+def drain_forever(pipeline: Callable[[], Pipelines], settings: Settings) -> None:
+    """Finish every home's spool's pending publications every ``spool_retry_seconds``, probing the
     store each time (its outages are logged once when they start and once when they end)."""
     store = Outage("the observation store", "worker", log)
     while True:
         time.sleep(settings.spool_retry_seconds)
         try:
             pipeline().drain()
-            probe(pipeline().store)
+            probe(pipeline().first.store)
         except StoreUnavailable as exc:
             store.failed(exc)
             continue

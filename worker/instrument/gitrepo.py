@@ -781,6 +781,12 @@ class LineageCache:
             return False
         raise GitError(f"push of {ref} failed: {output.strip()[-500:]}")
 
+    def adopt(self, other: LineageCache, tip: str) -> int:
+        """Copy what ``tip`` (a tree or commit in ``other``'s cache) reaches and this cache
+        lacks to where this cache writes objects: a fork's seed made in another home's
+        repository than its parent's. How many objects were copied."""
+        return copy_objects(other.repo, self._objects(), tip)
+
     def branch_contains(self, lineage: str, commit: str) -> bool:
         """Whether ``commit`` is on the shared branch (after a fresh fetch)."""
         head = self.fetch(lineage)

@@ -30,6 +30,8 @@ from worker.instrument.fingerprint import Instrument
 from worker.instrument.gitrepo import Entry, LineageCache
 from worker.instrument.names import (
     COMMIT_PATTERN,
+    DEFAULT_HOME,
+    HOME_PATTERN,
     JOURNAL_PATH,
     KERNEL_OWNED,
     METADATA_PATH,
@@ -83,6 +85,14 @@ class LineageMetadata(BaseModel):
     # grouping chosen at init or fork); None for a lineage in none, and for every root
     # written before cohorts existed.
     cohort: CohortLabel | None = None
+    # The shared repository ("home") the lineage lives in, chosen once when it is made
+    # (worker.fleet.homes); None for the home called ``default``, so a root written
+    # before homes existed, or in a fleet of one, reads byte for byte as it did.
+    home: str | None = Field(None, pattern=HOME_PATTERN)
+
+    @property
+    def home_name(self) -> str:
+        return self.home or DEFAULT_HOME
 
     def to_json(self) -> bytes:
         # Without the absent fields, so a root's metadata reads as it always did.
@@ -175,12 +185,14 @@ def create_lineage(
     files: Mapping[str, Entry] | None = None,
     parent: Parentage | None = None,
     cohort: str | None = None,
+    home: str = DEFAULT_HOME,
 ) -> LineageMetadata:
     """Create ``lineage-NAME`` with its seed commit, then its metadata object.
 
     The seed commit holds ``seed`` as organism.el, an empty journal, the metadata, and
     ``files`` (a fork's other files, already in the cache; the kernel's own paths and
-    organism.el among them are ignored).
+    organism.el among them are ignored). ``cache`` is the cache of the lineage's
+    ``home``, which the root records.
     """
     check_free(name, cache, store)
     if cohort is not None:
@@ -197,6 +209,7 @@ def create_lineage(
         physics=physics,
         parent=parent,
         cohort=cohort,
+        home=None if home == DEFAULT_HOME else home,
     )
     kept = {p: e for p, e in (files or {}).items() if p not in KERNEL_OWNED | {ORGANISM_PATH}}
     entries = {

@@ -17,6 +17,10 @@ import re
 from typing import Literal, get_args
 
 COMMIT_PATTERN = r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$"
+# The shared repository every lineage lives in unless several are configured
+# (worker.fleet.homes); a root naming no home lives there.
+DEFAULT_HOME = "default"
+HOME_PATTERN = r"^[a-z0-9-]{1,32}$"
 BRANCH_PREFIX = "lineage-"
 # The project's own rule; git's is asked of libgit2 (``lineage_name_problem``).
 _LINEAGE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
