@@ -9,13 +9,14 @@
 #
 # The full tier runs on two pytest-xdist processes (most of its tests wait on workers,
 # leases and services, not on a core), each with a redis-server of its own
-# (tests/support/xdist_redis.py); the VM and compose modules are one xdist group, so
-# one process runs them while the other runs the rest. `-n 0` after it runs serially.
+# (tests/support/xdist_redis.py); the VM and compose modules are one unit of work
+# (tests/support/xdist_schedule.py), so one process runs them while the other runs the
+# rest. `-n 0` after it runs serially.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 fast=()
-parallel=(-n 2 --dist loadgroup)
+parallel=(-n 2)
 args=()
 for arg in "$@"; do
   if [ "$arg" = --fast ]; then fast=(--fast); parallel=(); else args+=("$arg"); fi

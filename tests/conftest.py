@@ -33,8 +33,9 @@ from worker.fleet.planner import Planner
 from worker.fleet.settings import Settings
 from worker.instrument.store import ObservationStore, open_store
 
-# The tiers (--fast) and their enforcement; pytester runs the tiers' own tests.
-pytest_plugins = ["support.tiers", "pytester"]
+# The tiers (--fast) and their enforcement; how xdist groups the heavy modules;
+# pytester runs the tiers' own tests.
+pytest_plugins = ["support.tiers", "support.xdist_schedule", "pytester"]
 # The lock every test that wants most of this 2-core machine holds while it runs
 # (the compose fleet; a virtual machine): two of them at once, from one session or
 # two, would each miss their deadlines. The kernel drops it when the holder exits.

@@ -67,8 +67,6 @@ SNAPSHOT_ENV = {
 pytestmark = [
     pytest.mark.compose,
     pytest.mark.root,
-    # One xdist worker runs the heavy modules one after the other (see scripts/test.sh).
-    pytest.mark.xdist_group("heavy"),
     # The first test also pays for the images and the boot (cold: about 6 minutes).
     pytest.mark.timeout(2400),
 ]

@@ -21,6 +21,7 @@ import click
 import pytest
 from click.testing import CliRunner
 from support.fleet import BYTECODE_CACHE
+from support.xdist_schedule import HEAVY_MODULES
 
 from scheduler.cli import COMMANDS, LazyGroup, cli
 
@@ -281,6 +282,23 @@ def test_no_test_module_imports_another() -> None:
         found = imported_test_modules(path.read_text())
         where = path.relative_to(ROOT)
         assert not found, f"{where} imports {sorted(found)}: move what it shares to tests/support/"
+
+
+def test_every_module_holding_the_heavy_lock_is_in_the_heavy_unit() -> None:
+    """Two processes each holding a heavy module would wait on the lock, not run side by
+    side: the modules that take it are one unit of work (support.xdist_schedule)."""
+    holding = set()
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        arguments = {
+            arg.arg
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef)
+            for arg in node.args.args
+        }
+        if "machine_to_itself" in arguments:
+            holding.add(str(path.relative_to(ROOT)))
+    assert holding == HEAVY_MODULES
 
 
 def test_main_maps_failures_to_exit_statuses(monkeypatch: pytest.MonkeyPatch) -> None:

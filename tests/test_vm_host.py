@@ -96,8 +96,6 @@ from worker.instrument.fingerprint import current
 pytestmark = [
     pytest.mark.vm,
     pytest.mark.root,
-    # One xdist worker runs the heavy modules one after the other (see scripts/test.sh).
-    pytest.mark.xdist_group("heavy"),
     # A cold image cache adds its build (debootstrap: several minutes) to the first test.
     pytest.mark.timeout(3600),
 ]
