@@ -32,9 +32,10 @@ import pygit2
 from scheduler.tree_names import history_trees, refused_name
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import branch_ref, is_local, local_path, run_git
+from worker.instrument.gitrepo import branch_ref, run_git
 from worker.instrument.lineage import check_name
 from worker.instrument.names import ORGANISM_PATH
+from worker.instrument.repo_urls import is_local, local_path
 
 
 def import_bundle(bundle: Path, name: str, repo_url: str) -> str:

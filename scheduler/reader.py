@@ -62,7 +62,7 @@ from scheduler.views import (
 from worker.fleet.runs import Progress, RunRecord, run_progress
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import GitError, is_local, local_path
+from worker.instrument.gitrepo import GitError
 from worker.instrument.index import merged, segment_keys
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import (
@@ -74,6 +74,7 @@ from worker.instrument.names import (
     is_lineage_name,
 )
 from worker.instrument.records import IndexEntry, LineageIndex, Observation, ReplayReport
+from worker.instrument.repo_urls import is_local, local_path
 from worker.instrument.store import ObservationStore, open_store
 from worker.instrument.store_keys import generation_key, index_key, replay_key
 
@@ -190,7 +191,7 @@ class Reader:
                     twice.add(name)
                 heads[name] = sha
         for name in sorted(twice):
-            self._warn(f"ignoring lineage {name}: its branch is in two shared repositories")
+            self._warn(f"ignoring lineage {name}: its branch is in more than one shared repository")
         return self._commits_only({n: sha for n, sha in heads.items() if n not in twice})
 
     def _home_heads(self, home: ReadOnlyGit) -> dict[str, str]:

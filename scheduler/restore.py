@@ -28,12 +28,14 @@ from pathlib import Path
 from scheduler.archive import BUNDLE
 from scheduler.importer import import_bundle
 from scheduler.verify import Checked, check
+from worker.fleet.homes import Homes
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import branch_ref, is_local, local_path, run_git
+from worker.instrument.gitrepo import branch_ref, run_git
 from worker.instrument.lineage import LineageMetadata
 from worker.instrument.names import generation_number
 from worker.instrument.records import IndexEntry, LineageIndex, Observation
+from worker.instrument.repo_urls import is_local, local_path
 from worker.instrument.store import ObservationStore
 from worker.instrument.store_keys import generation_key, index_key, metadata_key, run_key
 
@@ -58,15 +60,17 @@ class Restored:
     repository: str
 
 
-def restore(archive: Path, repo_of: Callable[[str], str], store: ObservationStore) -> Restored:
-    """Import ``archive``; ``repo_of(NAME)`` is the shared repository lineage NAME lives
-    in, or would be made in (its home: the archive names none, ``worker.fleet.homes``)."""
+def restore(archive: Path, homes: Homes, home: str | None, store: ObservationStore) -> Restored:
+    """Import ``archive`` into the home its lineage lives in, or else into ``home`` (the
+    rule's choice if None), reserved for it once the archive verifies (the archive names
+    no home, ``worker.fleet.homes``)."""
     with tempfile.TemporaryDirectory(prefix="ouroboros-import-") as scratch:
         checked = check(archive, Path(scratch))
         if checked.problems or checked.manifest is None or checked.metadata is None:
             raise ArchiveProblems(archive, checked.problems)
         name, head = checked.manifest.lineage, checked.manifest.head
-        repo_url = repo_of(name)
+        homes.reserve(name, home)
+        repo_url = homes.repository(name, home)
         if not is_local(repo_url):
             raise Refusal(f"import writes to a local shared repository; {repo_url} is remote")
         objects = _objects(checked)
@@ -78,7 +82,7 @@ def restore(archive: Path, repo_of: Callable[[str], str], store: ObservationStor
                 f"head {head[:12]}; a lineage keeps its name, so this archive cannot be imported "
                 "into this fleet"
             )
-        _check_parent(repo_of, name, checked.metadata)
+        _check_parent(homes.repository, name, checked.metadata)
         missing = _missing_keys(name, objects, store)
         if existing is None:
             import_bundle(checked.unpacked.members[BUNDLE], name, repo_url)

@@ -14,15 +14,18 @@ and a name found in two homes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from support.fleet import SMALL_PHYSICS, Fleet, Worker, wait_for
+from support.fleet import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet, Worker, wait_for
 
 from scheduler.reader import Reader
+from worker.fleet.assembly import Pipelines
 from worker.fleet.homes import rendezvous, search_order
 from worker.fleet.settings import Settings, load_settings
 from worker.instrument.errors import Refusal
@@ -153,12 +156,26 @@ def test_homes_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         ('{"a": ""}', "a:"),
         ('{"a": "/srv/a b.git"}', "a:"),
         ('["/srv/a.git"]', "dictionary"),
+        ('{"a": "/srv/a.git", "a": "/srv/b.git"}', "'a' is given twice"),
     ]:
         monkeypatch.setenv("OUROBOROS_LINEAGE_REPOS", bad)
         with pytest.raises(Refusal) as refused:
             load_settings()
         assert str(refused.value).startswith("OUROBOROS_LINEAGE_REPOS:"), bad
         assert said in str(refused.value) and "\n" not in str(refused.value)
+    # One repository spelled two ways is one home: a move between the two would delete
+    # the lineage's only branch.
+    monkeypatch.setenv("OUROBOROS_LINEAGE_REPO", str(tmp_path / "one.git"))
+    for twins, said in [
+        ({"a": "/srv/a.git", "b": "/srv/./x/../a.git/"}, "homes a and b are one repository"),
+        ({"a": f"file://{tmp_path}/one.git"}, "homes a and default are one repository"),
+        ({"a": "ssh://h/a.git", "b": "ssh://h/a.git/"}, "(ssh://h/a.git)"),
+    ]:
+        monkeypatch.setenv("OUROBOROS_LINEAGE_REPOS", json.dumps(twins))
+        with pytest.raises(Refusal, match=re.escape(said)):
+            load_settings()
+    monkeypatch.setenv("OUROBOROS_LINEAGE_REPOS", '{"a": "ssh://h/a.git", "b": "ssh://h/b.git"}')
+    assert list(load_settings().lineage_homes) == ["a", "b", "default"]
 
 
 # -- real repositories and lives ------------------------------------------------------
@@ -365,3 +382,71 @@ def test_a_lineage_of_a_home_this_host_lacks_is_refused_naming_it(spread: Fleet)
         line = spread.refused(*command, OUROBOROS_LINEAGE_REPOS=only_a)
         assert f"lineage {name} lives in home 'b'" in line
         assert "OUROBOROS_LINEAGE_REPOS" in line
+
+
+@pytest.mark.full
+def test_one_name_made_at_once_in_three_homes_is_made_in_one(tmp_path: Path, spread: Fleet) -> None:
+    spread.ok("init", "first")  # makes the homes
+    (tmp_path / "source").mkdir()
+    source = Fleet(tmp_path / "source")
+    source.ok("init", "carried")
+    archive = tmp_path / "carried.tar.gz"
+    source.ok("export", "carried", "--to", str(archive))
+    bundle = tmp_path / "carried.bundle"
+    subprocess.run(
+        ["git", f"--git-dir={source.repo}", "bundle", "create", str(bundle), "lineage-carried"],
+        check=True,
+        capture_output=True,
+    )
+    attempts = {
+        "made": [["init", "made", "--home", home] for home in HOMES],
+        "carried": [["import", str(archive), "--home", home] for home in HOMES],
+        "bundled": [["import-bundle", str(bundle), "bundled", "--home", home] for home in HOMES],
+    }
+    for name, commands in attempts.items():
+        with ThreadPoolExecutor(len(commands)) as pool:
+            done = list(pool.map(lambda argv: spread.cli(*argv), commands))
+        assert sorted(d.returncode for d in done) == [0, 2, 2], [d.stderr for d in done]
+        for refused in (d for d in done if d.returncode == 2):
+            line = refused.stderr.strip()
+            assert "\n" not in line and "Traceback" not in line, line
+            assert f"lineage {name} is claimed for another home" in line or "already" in line
+        assert len(where(spread)[name]) == 1, where(spread)
+    # The claim is for its home: the same import into that home again passes.
+    (home,) = where(spread)["carried"]
+    assert "already there" in spread.ok("import", str(archive), "--home", home).stdout
+
+
+@pytest.mark.full
+def test_a_move_cut_short_over_three_homes_is_finished_by_moving_again(spread: Fleet) -> None:
+    spread.ok("init", "spilled", "--home", "a")
+    for home in ("b", "default"):
+        git(
+            spread,
+            home,
+            "fetch",
+            "-q",
+            str(repo_of(spread, "a")),
+            "lineage-spilled:lineage-spilled",
+        )
+    assert where(spread)["spilled"] == ["a", "b", "default"]
+    done = spread.ok("move", "spilled", "--to", "default").stdout
+    assert "from home a and b to home default" in done
+    assert where(spread)["spilled"] == ["default"]
+
+
+@living
+def test_a_worker_lacking_the_home_a_lineage_lives_in_says_so(spread: Fleet) -> None:
+    # Made in a (its root says so), moved to b, which this worker's host lacks.
+    spread.ok("init", "elsewhere", "--home", "a")
+    spread.ok("move", "elsewhere", "--to", "b")
+    settings = Settings(
+        home=spread.home / ".ouroboros",
+        lineage_repos={"a": str(repo_of(spread, "a"))},
+        instrument_commit=INSTRUMENT_COMMIT,
+    )
+    with pytest.raises(Refusal) as refused:
+        Pipelines(settings).of("elsewhere")
+    said = str(refused.value)
+    assert "lineage elsewhere is in none of this host's homes (a, default)" in said, said
+    assert "OUROBOROS_LINEAGE_REPOS" in said and "init" not in said

@@ -112,7 +112,8 @@ def _replayed_diverged(archive: Path, lineage: str) -> bool:
                 "state_dir": None,
             }
         )
-        restore(archive, lambda _: own.lineage_repo_url, observation_store(own))
+        store = observation_store(own)
+        restore(archive, Homes(own, "scheduler", store), None, store)
         pipeline = build_pipeline(own, cache_role="replay")
         return bool(replay_lineage(pipeline, lineage, (None, None), console)["diverged"])
 
@@ -136,7 +137,7 @@ def import_command(archive: Path, home: str | None) -> None:
     if home is not None:
         homes.require(home)
     try:
-        done = restore(archive, lambda name: homes.repository(name, home), store)
+        done = restore(archive, homes, home, store)
     except ArchiveProblems as exc:
         for problem in exc.problems:
             warn("problem", problem)

@@ -94,7 +94,8 @@ def import_bundle_command(bundle: Path, name: str, home: str | None) -> None:
     settings = load_settings()
     require_places(settings, write=True, missing_ok=True)
     homes = Homes(settings, "scheduler", observation_store(settings))
-    repository = homes.repository(check_name(name), home)
+    homes.reserve(check_name(name), home)
+    repository = homes.repository(name, home)
     head = import_bundle(bundle, name, repository)
     console.print(
         Text.assemble(

@@ -503,9 +503,10 @@ def move(name: str, home: str) -> None:
                 f"lineage {name} has a generation in flight; move it once that lands "
                 f"(schedule-lineage status {name})"
             )
-    source, head = planner.homes.move(name, home)
+    sources, head = planner.homes.move(name, home)
     console.print(
-        f"moved lineage {name} (branch lineage-{name} at {head[:12]}) from home {source} "
+        f"moved lineage {name} (branch lineage-{name} at {head[:12]}) from home "
+        f"{' and '.join(sorted(sources))} "
         f"to home {home} ({settings.lineage_homes[home]})",
         highlight=False,
         markup=False,

@@ -21,7 +21,8 @@ import click
 from scheduler.cli.common import load_settings
 from scheduler.output import console
 from worker.fleet.repo_admin import harden
-from worker.instrument.gitrepo import local_repository, run_git
+from worker.instrument.gitrepo import run_git
+from worker.instrument.repo_urls import local_repository
 
 
 def _loose(repo: Path) -> int:

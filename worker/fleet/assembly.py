@@ -176,8 +176,17 @@ class Pipelines:
 
     def of(self, lineage: str) -> Pipeline:
         """The pipeline of the home ``lineage`` lives in (its rule's choice if none holds
-        it: that pipeline then refuses it as missing, as a fleet of one home does)."""
+        it and the store never saw it: that pipeline then refuses it as missing, as a fleet
+        of one home does)."""
         found = self.homes.locate(lineage)
+        if found is None and self.homes.recorded_home(lineage) is not None:
+            # Made once (the store has its root), held by no home here: it lives in a home
+            # this host lacks, not in none ("create it with init" would be wrong advice).
+            raise Refusal(
+                f"lineage {lineage} is in none of this host's homes "
+                f"({', '.join(self.homes.urls)}) though the observation store has its records; "
+                "every host must configure the fleet's homes (OUROBOROS_LINEAGE_REPOS)"
+            )
         return self.home(found if found is not None else self.homes.choose(lineage))
 
     def run(

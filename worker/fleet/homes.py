@@ -27,12 +27,13 @@ Trusts: the settings and the repositories' refs; root metadata read back is vali
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Iterable
 
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import LineageCache, branch_ref, local_repository, run_git
+from worker.instrument.gitrepo import LineageCache, branch_ref, run_git
 from worker.instrument.lineage import (
     LineageMetadata,
     check_free,
@@ -41,8 +42,9 @@ from worker.instrument.lineage import (
     root_metadata,
 )
 from worker.instrument.names import BRANCH_PREFIX, is_lineage_name
+from worker.instrument.repo_urls import local_repository
 from worker.instrument.store import ObservationStore
-from worker.instrument.store_keys import metadata_key
+from worker.instrument.store_keys import claim_key, metadata_key
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +112,33 @@ class Homes:
         if self.locate(lineage) is not None:
             raise Refusal(f"lineage {lineage} already exists; choose another name")
         chosen = self.choose(lineage, home)
-        if self.store is not None:
-            check_free(lineage, self.cache(chosen), self.store)
+        assert self.store is not None, "a lineage is only made with the store at hand"
+        check_free(lineage, self.cache(chosen), self.store)
+        self._reserve(lineage, chosen)
         return chosen
+
+    def reserve(self, lineage: str, home: str | None = None) -> None:
+        """Before an import writes ``lineage``: nothing if a home holds it already, else its
+        new home (``home``, or the rule's choice) reserved for it (``_reserve``)."""
+        if self.locate(check_name(lineage)) is None:
+            self._reserve(lineage, self.choose(lineage, home))
+
+    def _reserve(self, lineage: str, home: str) -> None:
+        """Claim ``lineage`` for ``home`` in the observation store, write-once: the store is
+        the fleet's, so of two commands making one name in two homes at once, one is
+        refused here (each home's own compare-and-swap cannot see the other home). The
+        claim for the same home again passes: a retry, a second import of one archive."""
+        assert self.store is not None, "a lineage is only made with the store at hand"
+        mine = json.dumps({"home": home, "lineage": lineage}, sort_keys=True).encode()
+        if (
+            self.store.put_once(claim_key(lineage), mine)
+            or self.store.get(claim_key(lineage)) == mine
+        ):
+            return
+        raise Refusal(
+            f"lineage {lineage} is claimed for another home than {home} (made, or being made, "
+            "there by another command); choose another name"
+        )
 
     def made(self, home: str) -> bool:
         """Whether ``home``'s repository exists: a local one not made yet (by ``init`` or an
@@ -142,7 +168,7 @@ class Homes:
                 "home only: delete the stale branch (schedule-lineage move explains how)"
             )
         if not holders:
-            recorded = self._recorded_home(lineage)
+            recorded = self.recorded_home(lineage)
             if recorded is not None and recorded not in self.urls:
                 raise not_configured(lineage, recorded)
             return None
@@ -150,7 +176,7 @@ class Homes:
         self._found[lineage] = home
         return home
 
-    def _recorded_home(self, lineage: str) -> str | None:
+    def recorded_home(self, lineage: str) -> str | None:
         """The home the store's metadata object names; None without a readable one (what
         an unreadable one means is the command's to say: import refuses it as a clash)."""
         raw = None if self.store is None else self.store.get(metadata_key(lineage))
@@ -198,36 +224,36 @@ class Homes:
         """The root metadata of ``lineage`` at ``head`` (fetched through ``fetch``)."""
         return root_metadata(self.home_cache(lineage), head, lineage)
 
-    def move(self, lineage: str, target: str) -> tuple[str, str]:
+    def move(self, lineage: str, target: str) -> tuple[list[str], str]:
         """Move ``lineage``'s branch to home ``target``: its objects copied there, the branch
-        made there, then deleted from the home it leaves (only if still at the head that
-        was copied; that home must be a local repository). The caller makes sure no run
-        drives it meanwhile. A move cut short
-        between the two (the branch in both homes at one head) is finished by moving it
-        again. The home it left and the head moved."""
+        made there, then deleted from every home it leaves (only if still at the head that
+        was copied; those homes must be local repositories). The caller makes sure no run
+        drives it meanwhile. A move cut short (the branch in several homes at one head) is
+        finished by moving it again. The homes it left and the head moved."""
         self.require(target)
         holders = self.holders(lineage)
-        others = {home: head for home, head in holders.items() if home != target}
-        if not others:
+        sources = [home for home in holders if home != target]
+        if not sources:
             if target in holders:
                 raise Refusal(f"lineage {lineage} already lives in home {target}")
             raise Refusal(f"no lineage named {lineage}; see schedule-lineage status for all")
-        if len(others) > 1 or (target in holders and holders[target] not in others.values()):
+        if len(set(holders.values())) > 1:
             raise Refusal(
                 f"lineage {lineage} is in homes {' and '.join(holders)} at different heads; "
                 'delete the stale branch by hand (docs/design.md, "Homes")'
             )
-        ((source, head),) = others.items()
+        head = holders[sources[0]]
         if target not in holders:
             into = self.cache(target)
-            into.adopt(self.cache(source), head)
+            into.adopt(self.cache(sources[0]), head)
             if not into.push_cas(lineage, head, None):
                 raise Refusal(
                     f"lineage {lineage} appeared in home {target} meanwhile; see it there"
                 )
-        self._delete(source, lineage, head)
+        for source in sources:
+            self._delete(source, lineage, head)
         self._found[lineage] = target
-        return source, head
+        return sources, head
 
     def _delete(self, home: str, lineage: str, head: str) -> None:
         """Delete ``lineage-NAME`` from ``home``'s repository, only if it is still at ``head``.

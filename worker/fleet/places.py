@@ -26,8 +26,8 @@ from pathlib import Path
 from worker.fleet.repo_admin import ensure_shared_repo
 from worker.fleet.settings import Settings
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import local_repository
 from worker.instrument.names import DEFAULT_HOME
+from worker.instrument.repo_urls import local_repository
 from worker.instrument.store import FileStore, open_store
 
 

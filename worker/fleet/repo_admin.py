@@ -20,7 +20,8 @@ from pathlib import Path
 import pygit2
 
 from worker.instrument.errors import Refusal
-from worker.instrument.gitrepo import REPO_CONFIG, init_bare, local_repository
+from worker.instrument.gitrepo import REPO_CONFIG, init_bare
+from worker.instrument.repo_urls import local_repository
 
 log = logging.getLogger(__name__)
 

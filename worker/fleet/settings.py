@@ -25,11 +25,14 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 from pydantic_settings import NoDecode
 
 from worker.instrument.errors import Refusal
 from worker.instrument.names import DEFAULT_HOME, HOME_PATTERN
+from worker.instrument.repo_urls import repository_place
 from worker.instrument.settings import InstrumentSettings
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=200)]
@@ -117,6 +120,23 @@ class Settings(InstrumentSettings):
     def _homes_from_json(cls, value: Any) -> Any:
         return _json_object(value, '{"a": "/srv/a.git", "b": "ssh://host/srv/b.git"}')
 
+    @model_validator(mode="after")
+    def _one_repository_per_home(self) -> Settings:
+        # Two homes on one repository would each hold every branch of the other; a move
+        # between them would delete the lineage's only branch.
+        seen: dict[str, str] = {}
+        for home, url in self.lineage_homes.items():
+            place = repository_place(url)
+            if place in seen:
+                raise PydanticCustomError(
+                    "homes",
+                    "homes {first} and {second} are one repository ({place}); give every home "
+                    "of OUROBOROS_LINEAGE_REPOS (and OUROBOROS_LINEAGE_REPO) its own",
+                    {"first": seen[place], "second": home, "place": place},
+                )
+            seen[place] = home
+        return self
+
     @property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()
@@ -159,11 +179,21 @@ def _json_object(value: Any, example: str) -> Any:
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value) if value.strip() else {}
+        return json.loads(value, object_pairs_hook=_once_each) if value.strip() else {}
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"not JSON ({exc.msg} at character {exc.pos}); use e.g. {example}"
         ) from None
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose every key is given once (json keeps the last of twins)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"{key!r} is given twice; give each name once")
+        found[key] = value
+    return found
 
 
 def load_settings() -> Settings:

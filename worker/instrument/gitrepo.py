@@ -61,6 +61,7 @@ from pygit2.enums import ObjectType, Option
 
 from worker.instrument.errors import Refusal
 from worker.instrument.names import BRANCH_PREFIX, generation_number
+from worker.instrument.repo_urls import local_repository
 
 # A writer holds a ref's lock file for the milliseconds of one compare-and-swap. One
 # this old was left by a writer that died holding it (SIGKILL, a lost host), and git
@@ -247,14 +248,6 @@ def run_git(
     return result
 
 
-def is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def local_path(url: str) -> Path:
-    return Path(url.removeprefix("file://"))
-
-
 def init_bare(path: Path) -> None:
     """Make a bare repository at ``path`` with ``REPO_CONFIG``."""
     pygit2.init_repository(str(path), bare=True)
@@ -276,19 +269,6 @@ def init_bare_once(path: Path) -> None:
             staged.rename(path)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
-
-
-def local_repository(url: str) -> Path | None:
-    """The shared repository's path if this process opens it itself, else None.
-
-    A local path or ``file://`` URL; never ``host:path`` (git's scp-like ssh syntax:
-    a colon before the first slash) or another scheme.
-    """
-    if url.startswith("file://"):
-        return local_path(url)
-    if "://" in url or ":" in url.split("/", 1)[0]:
-        return None
-    return Path(url)
 
 
 def break_stale_lock(git_dir: Path, ref: str, stale_seconds: float = STALE_LOCK_SECONDS) -> bool:

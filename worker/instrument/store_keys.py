@@ -8,6 +8,7 @@ Owns where each record lives under a store's prefix::
     lineages/<name>/index.json                  (derived: the whole index before segments)
     lineages/<name>/runs/<run-id>.json
     lineages/<name>/replays/000001.json         (the latest replay of a generation, overwritten)
+    claims/<name>.json                          (write-once: the home a name was made in)
 
 Generation numbers are zero-padded so that a plain listing sorts them in order.
 Pure functions; the store validates every key before any backend sees it.
@@ -16,6 +17,11 @@ Pure functions; the store validates every key before any backend sees it.
 from __future__ import annotations
 
 LINEAGES_PREFIX = "lineages/"
+
+
+def claim_key(lineage: str) -> str:
+    """Outside ``lineages/``: a claim is the fleet's, not part of a lineage's record."""
+    return f"claims/{lineage}.json"
 
 
 def metadata_key(lineage: str) -> str:
