@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pygit2
@@ -38,8 +39,12 @@ from worker.instrument.names import ORGANISM_PATH
 from worker.instrument.repo_urls import is_local, local_path
 
 
-def import_bundle(bundle: Path, name: str, repo_url: str) -> str:
-    """Add the bundle's branch as lineage ``name``; return its head commit."""
+def import_bundle(bundle: Path, name: str, repo_url: str, claim: Callable[[], None]) -> str:
+    """Add the bundle's branch as lineage ``name``; return its head commit.
+
+    ``claim`` is called once the bundle has been checked, before the shared repository
+    gets anything of it: the name's claim for its home (``worker.fleet.homes``), which a
+    refused bundle therefore never takes."""
     check_name(name)
     if not is_local(repo_url):
         raise Refusal(f"import-bundle writes to a local shared repository; {repo_url} is remote")
@@ -77,6 +82,7 @@ def import_bundle(bundle: Path, name: str, repo_url: str) -> str:
                 f"{bundle} holds a name no life could publish: {refused} "
                 "(rename it in every commit, e.g. with git filter-repo, and bundle again)"
             )
+        claim()
         run_git(
             repo,
             "fetch",

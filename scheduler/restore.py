@@ -62,15 +62,15 @@ class Restored:
 
 def restore(archive: Path, homes: Homes, home: str | None, store: ObservationStore) -> Restored:
     """Import ``archive`` into the home its lineage lives in, or else into ``home`` (the
-    rule's choice if None), reserved for it once the archive verifies (the archive names
-    no home, ``worker.fleet.homes``)."""
+    rule's choice if None), reserved for it once everything is checked and before its
+    branch is written (the archive names no home, ``worker.fleet.homes``)."""
     with tempfile.TemporaryDirectory(prefix="ouroboros-import-") as scratch:
         checked = check(archive, Path(scratch))
         if checked.problems or checked.manifest is None or checked.metadata is None:
             raise ArchiveProblems(archive, checked.problems)
         name, head = checked.manifest.lineage, checked.manifest.head
-        homes.reserve(name, home)
-        repo_url = homes.repository(name, home)
+        destination = homes.destination(name, home)
+        repo_url = homes.urls[destination]
         if not is_local(repo_url):
             raise Refusal(f"import writes to a local shared repository; {repo_url} is remote")
         objects = _objects(checked)
@@ -85,7 +85,12 @@ def restore(archive: Path, homes: Homes, home: str | None, store: ObservationSto
         _check_parent(homes.repository, name, checked.metadata)
         missing = _missing_keys(name, objects, store)
         if existing is None:
-            import_bundle(checked.unpacked.members[BUNDLE], name, repo_url)
+            import_bundle(
+                checked.unpacked.members[BUNDLE],
+                name,
+                repo_url,
+                lambda: homes.reserve(name, destination),
+            )
         for key in missing:
             store.put_once(key, objects[key])
         _rebuild_index(name, checked, store)

@@ -182,6 +182,7 @@ def test_import_into_a_second_fleet_on_s3_is_write_once_and_idempotent(
     assert second.git("rev-parse", "lineage-pub") == published.fleet.git("rev-parse", "lineage-pub")
     objects = bucket_state(second)
     assert set(objects) == {
+        "fleet2/claims/pub.json",
         "fleet2/lineages/pub/metadata.json",
         "fleet2/lineages/pub/generations/000001.json",
         "fleet2/lineages/pub/generations/000002.json",

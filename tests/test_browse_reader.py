@@ -23,7 +23,7 @@ from worker.instrument.store import ObservationStore, open_store
 @pytest.fixture
 def fixture_reader(tmp_path: Path, file_store: ObservationStore) -> Reader:
     repo = tmp_path / "lineages.git"
-    import_bundle(sample_bundle(tmp_path), "sample", str(repo))
+    import_bundle(sample_bundle(tmp_path), "sample", str(repo), claim=lambda: None)
     return Reader(file_store, repo)
 
 
@@ -146,7 +146,9 @@ def test_compare_puts_organism_first_and_unknown_numbers_are_not_found(
 def test_family_groups_lineages_seeded_from_the_same_organism(
     fixture_reader: Reader, tmp_path: Path
 ) -> None:
-    import_bundle(sample_bundle(tmp_path), "sample-twin", str(tmp_path / "lineages.git"))
+    import_bundle(
+        sample_bundle(tmp_path), "sample-twin", str(tmp_path / "lineages.git"), claim=lambda: None
+    )
     seed = fixture_reader.summary("sample").seed_sha256
     assert seed is not None
     root_organism = _git(tmp_path / "lineages.git", "show", "lineage-sample~9:organism.el")

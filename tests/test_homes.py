@@ -26,7 +26,7 @@ from support.fleet import INSTRUMENT_COMMIT, SMALL_PHYSICS, Fleet, Worker, wait_
 
 from scheduler.reader import Reader
 from worker.fleet.assembly import Pipelines
-from worker.fleet.homes import rendezvous, search_order
+from worker.fleet.homes import Homes, rendezvous, search_order
 from worker.fleet.settings import Settings, load_settings
 from worker.instrument.errors import Refusal
 from worker.instrument.store import open_store
@@ -169,12 +169,14 @@ def test_homes_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for twins, said in [
         ({"a": "/srv/a.git", "b": "/srv/./x/../a.git/"}, "homes a and b are one repository"),
         ({"a": f"file://{tmp_path}/one.git"}, "homes a and default are one repository"),
-        ({"a": "ssh://h/a.git", "b": "ssh://h/a.git/"}, "(ssh://h/a.git)"),
+        ({"a": "ssh://git@H/srv/a.git", "b": "git@h:/srv/a.git/"}, "ssh://git@h:22/srv/a.git"),
+        ({"a": "ssh://h:22/~/a.git", "b": "h:a.git"}, "homes a and b are one repository"),
+        ({"a": f"file://localhost{tmp_path}/one.git"}, "homes a and default are one"),
     ]:
         monkeypatch.setenv("OUROBOROS_LINEAGE_REPOS", json.dumps(twins))
         with pytest.raises(Refusal, match=re.escape(said)):
             load_settings()
-    monkeypatch.setenv("OUROBOROS_LINEAGE_REPOS", '{"a": "ssh://h/a.git", "b": "ssh://h/b.git"}')
+    monkeypatch.setenv("OUROBOROS_LINEAGE_REPOS", '{"a": "h:/srv/a.git", "b": "h:srv/a.git"}')
     assert list(load_settings().lineage_homes) == ["a", "b", "default"]
 
 
@@ -410,7 +412,7 @@ def test_one_name_made_at_once_in_three_homes_is_made_in_one(tmp_path: Path, spr
         for refused in (d for d in done if d.returncode == 2):
             line = refused.stderr.strip()
             assert "\n" not in line and "Traceback" not in line, line
-            assert f"lineage {name} is claimed for another home" in line or "already" in line
+            assert f"lineage {name} is claimed for home" in line or "already" in line
         assert len(where(spread)[name]) == 1, where(spread)
     # The claim is for its home: the same import into that home again passes.
     (home,) = where(spread)["carried"]
@@ -450,3 +452,30 @@ def test_a_worker_lacking_the_home_a_lineage_lives_in_says_so(spread: Fleet) -> 
     said = str(refused.value)
     assert "lineage elsewhere is in none of this host's homes (a, default)" in said, said
     assert "OUROBOROS_LINEAGE_REPOS" in said and "init" not in said
+
+
+@pytest.mark.full
+def test_a_home_made_one_with_another_after_load_loses_no_branch(spread: Fleet) -> None:
+    spread.ok("init", "kept", "--home", "a")
+    settings = Settings(
+        home=spread.home / ".ouroboros",
+        lineage_repos={h: str(repo_of(spread, h)) for h in ("a", "b")},
+    )
+    # b becomes a symlink to a once the settings have been accepted.
+    b = repo_of(spread, "b")
+    b.rename(b.with_name("b-real.git"))
+    b.symlink_to(repo_of(spread, "a"))
+    homes = Homes(settings, "scheduler", open_store(settings.observations_url, settings))
+    with pytest.raises(Refusal, match="homes a and b are now one repository; nothing was deleted"):
+        homes.move("kept", "b")
+    assert "lineage-kept" in git(spread, "a", "for-each-ref")
+
+
+@pytest.mark.full
+def test_a_claim_this_fleet_did_not_write_is_named(spread: Fleet) -> None:
+    spread.ok("init", "first")
+    claims = spread.observations / "claims"
+    (claims / "planted.json").write_bytes(b"not a claim")
+    line = spread.refused("init", "planted")
+    assert "the store's claim of lineage planted (claims/planted.json) is not one" in line
+    assert "planted" not in where(spread)

@@ -94,9 +94,9 @@ def import_bundle_command(bundle: Path, name: str, home: str | None) -> None:
     settings = load_settings()
     require_places(settings, write=True, missing_ok=True)
     homes = Homes(settings, "scheduler", observation_store(settings))
-    homes.reserve(check_name(name), home)
-    repository = homes.repository(name, home)
-    head = import_bundle(bundle, name, repository)
+    destination = homes.destination(check_name(name), home)
+    repository = homes.urls[destination]
+    head = import_bundle(bundle, name, repository, lambda: homes.reserve(name, destination))
     console.print(
         Text.assemble(
             "imported lineage ",

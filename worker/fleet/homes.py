@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterable
 
 from worker.fleet.settings import Settings
@@ -41,7 +42,7 @@ from worker.instrument.lineage import (
     parse_metadata,
     root_metadata,
 )
-from worker.instrument.names import BRANCH_PREFIX, is_lineage_name
+from worker.instrument.names import BRANCH_PREFIX, is_home_name, is_lineage_name
 from worker.instrument.repo_urls import local_repository
 from worker.instrument.store import ObservationStore
 from worker.instrument.store_keys import claim_key, metadata_key
@@ -114,30 +115,36 @@ class Homes:
         chosen = self.choose(lineage, home)
         assert self.store is not None, "a lineage is only made with the store at hand"
         check_free(lineage, self.cache(chosen), self.store)
-        self._reserve(lineage, chosen)
+        self.reserve(lineage, chosen)
         return chosen
 
-    def reserve(self, lineage: str, home: str | None = None) -> None:
-        """Before an import writes ``lineage``: nothing if a home holds it already, else its
-        new home (``home``, or the rule's choice) reserved for it (``_reserve``)."""
-        if self.locate(check_name(lineage)) is None:
-            self._reserve(lineage, self.choose(lineage, home))
-
-    def _reserve(self, lineage: str, home: str) -> None:
-        """Claim ``lineage`` for ``home`` in the observation store, write-once: the store is
-        the fleet's, so of two commands making one name in two homes at once, one is
-        refused here (each home's own compare-and-swap cannot see the other home). The
-        claim for the same home again passes: a retry, a second import of one archive."""
+    def reserve(self, lineage: str, home: str) -> None:
+        """Claim ``lineage`` for ``home`` in the observation store, write-once, before its
+        branch is written there: the store is the fleet's, so of two commands making one
+        name in two homes at once, one is refused here (each home's own compare-and-swap
+        cannot see the other home). The claim for the same home again passes: a retry,
+        a second import of one archive."""
         assert self.store is not None, "a lineage is only made with the store at hand"
         mine = json.dumps({"home": home, "lineage": lineage}, sort_keys=True).encode()
-        if (
-            self.store.put_once(claim_key(lineage), mine)
-            or self.store.get(claim_key(lineage)) == mine
-        ):
+        key = claim_key(lineage)
+        if self.store.put_once(key, mine):
             return
+        held = self.store.get(key)
+        if held == mine:
+            return
+        try:
+            other = json.loads(held or b"")
+            claimed = other["home"] if other["lineage"] == lineage else None
+        except (ValueError, TypeError, KeyError):
+            claimed = None
+        if isinstance(claimed, str) and is_home_name(claimed):
+            raise Refusal(
+                f"lineage {lineage} is claimed for home {claimed}, not {home} (made, or being "
+                "made, there by another command); choose another name"
+            )
         raise Refusal(
-            f"lineage {lineage} is claimed for another home than {home} (made, or being made, "
-            "there by another command); choose another name"
+            f"the store's claim of lineage {lineage} ({key}) is not one this fleet writes; "
+            f"if no home holds lineage {lineage}, remove that object, or choose another name"
         )
 
     def made(self, home: str) -> bool:
@@ -202,11 +209,15 @@ class Homes:
         home = self.locate(lineage)
         return self.cache(home if home is not None else rendezvous(lineage, self.urls))
 
-    def repository(self, lineage: str, home: str | None = None) -> str:
-        """The URL of the home ``lineage`` lives in, else of the one it would be made in
-        (``home``, or the rule's choice): where an import writes it."""
+    def destination(self, lineage: str, home: str | None = None) -> str:
+        """The home ``lineage`` lives in, else the one it would be made in (``home``, or the
+        rule's choice): where an import writes it."""
         found = self.locate(lineage)
-        return self.urls[found if found is not None else self.choose(lineage, home)]
+        return found if found is not None else self.choose(lineage, home)
+
+    def repository(self, lineage: str, home: str | None = None) -> str:
+        """The URL of ``destination``."""
+        return self.urls[self.destination(lineage, home)]
 
     def fetch(self, lineage: str) -> str | None:
         """The lineage's head in its home (fetching it); None if no home holds it.
@@ -250,7 +261,21 @@ class Homes:
                 raise Refusal(
                     f"lineage {lineage} appeared in home {target} meanwhile; see it there"
                 )
+        # Checked again just before deleting: a home's path swapped under a running move
+        # (a symlink) must not make the deletion take the only copy.
+        if self.cache(target).fetch(lineage) != head:
+            raise Refusal(
+                f"lineage {lineage} is not at {head[:12]} in home {target} after the copy; "
+                "nothing was deleted; move it again"
+            )
+        target_path = local_repository(self.urls[target])
         for source in sources:
+            source_path = local_repository(self.urls[source])
+            if target_path and source_path and os.path.samefile(source_path, target_path):
+                raise Refusal(
+                    f"homes {source} and {target} are now one repository; nothing was "
+                    "deleted: give every home its own repository"
+                )
             self._delete(source, lineage, head)
         self._found[lineage] = target
         return sources, head

@@ -21,6 +21,7 @@ COMMIT_PATTERN = r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$"
 # (worker.fleet.homes); a root naming no home lives there.
 DEFAULT_HOME = "default"
 HOME_PATTERN = r"^[a-z0-9-]{1,32}$"
+_HOME_NAME = re.compile(HOME_PATTERN)
 BRANCH_PREFIX = "lineage-"
 # The project's own rule; git's is asked of libgit2 (``lineage_name_problem``).
 _LINEAGE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
@@ -76,3 +77,8 @@ def is_lineage_name(name: str) -> bool:
 def queue_name(fingerprint: str) -> str:
     """The Celery queue of an instrument: hosts with other code never serve it."""
     return f"gen.{fingerprint[:12]}"
+
+
+def is_home_name(text: str) -> bool:
+    """Whether ``text`` is a home's name (``HOME_PATTERN``)."""
+    return _HOME_NAME.fullmatch(text) is not None

@@ -11,7 +11,12 @@ Trusts: the URL it is given (validated by the settings).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from urllib.parse import urlsplit
+
+# git's scp-like ssh syntax: [user@]host:path, a colon before the first slash.
+_SCP_LIKE = re.compile(r"(?:(?P<user>[^@/:]+)@)?(?P<host>[^@/:]+):(?P<path>.*)")
 
 
 def is_local(url: str) -> bool:
@@ -19,7 +24,11 @@ def is_local(url: str) -> bool:
 
 
 def local_path(url: str) -> Path:
-    return Path(url.removeprefix("file://"))
+    path = url.removeprefix("file://")
+    if url.startswith("file://localhost/"):
+        # RFC 8089: file://localhost/abs is file:///abs, as git reads it.
+        path = path.removeprefix("localhost")
+    return Path(path)
 
 
 def local_repository(url: str) -> Path | None:
@@ -37,7 +46,21 @@ def local_repository(url: str) -> Path | None:
 
 def repository_place(url: str) -> str:
     """Where ``url`` points, spelled one way: a local repository's absolute path with its
-    symlinks, ``..`` and trailing slash resolved (whether or not it exists yet); a remote
-    one's URL without a trailing slash."""
+    symlinks, ``..`` and trailing slash resolved (whether or not it exists yet); an ssh
+    one as ``ssh://[user@]host:port/path`` (``host:path`` and ``ssh://host/path`` alike,
+    the host in lower case, port 22 unless given); any other URL without a trailing slash.
+    One repository reached both by path and over ssh to this host is not seen as one."""
     path = local_repository(url)
-    return url.rstrip("/") if path is None else str(path.expanduser().resolve())
+    if path is not None:
+        return str(path.expanduser().resolve())
+    parts = urlsplit(url)
+    if parts.scheme in ("ssh", "git+ssh", "ssh+git") and parts.hostname:
+        user, host, port, where = parts.username, parts.hostname, parts.port or 22, parts.path
+    elif "://" not in url and (scp := _SCP_LIKE.match(url)):
+        # host:path is relative to the user's home, which ssh:// spells /~/path.
+        path_part = scp["path"] if scp["path"].startswith("/") else f"/~/{scp['path']}"
+        user, host, port, where = scp["user"], scp["host"].lower(), 22, path_part
+    else:
+        return url.rstrip("/")
+    login = f"{user}@" if user else ""
+    return f"ssh://{login}{host}:{port}{where.rstrip('/')}"
