@@ -392,9 +392,14 @@ class LineageCache:
                 alternates = self.git_dir / "objects" / "info" / "alternates"
                 if not alternates.exists() or alternates.read_text().strip() != objects:
                     alternates.parent.mkdir(parents=True, exist_ok=True)
-                    staged = alternates.with_name(f"alternates.{os.getpid()}")
-                    staged.write_text(f"{objects}\n")
-                    staged.replace(alternates)
+                    # A name of its own per writer: two threads of one process (not only
+                    # two processes) may write it at once, and one's rename took the
+                    # other's file (seen in a loaded run of the suite).
+                    handle, name = tempfile.mkstemp(prefix="alternates.", dir=alternates.parent)
+                    os.fchmod(handle, 0o644)  # as git writes it, not mkstemp's 0600
+                    with os.fdopen(handle, "w") as staged:
+                        staged.write(f"{objects}\n")
+                    Path(name).replace(alternates)
                 self.repo.odb.add_disk_alternate(objects)
         return self._shared_repo
 
