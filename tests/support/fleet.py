@@ -57,10 +57,6 @@ from typing import TypeVar
 
 from support.xdist_redis import machine_redis
 
-# The machine's Redis, unless a test session names another or is an xdist worker (see
-# the docstring).
-MACHINE_REDIS = re.sub(r"/\d*/?$", "", machine_redis())
-
 INSTRUMENT_COMMIT = "a" * 40
 
 # Enough to make an organism's life observable in a second or two of CPU.
@@ -475,6 +471,11 @@ class PrivateRedis:
     def stop(self) -> None:
         terminate(self.process)
         self.log.close()
+
+
+# The machine's Redis, unless a test session names another or is an xdist worker (see
+# the docstring). Its database number is dropped: the tests choose their own.
+MACHINE_REDIS = re.sub(r"/\d*/?$", "", machine_redis(PrivateRedis))
 
 
 class Switch:
