@@ -204,10 +204,9 @@ class Homes:
         return True
 
     def home_cache(self, lineage: str) -> LineageCache:
-        """The cache of the home ``lineage`` lives in; its rule's choice if none holds it
-        (a fetch there then finds nothing, as it would in a fleet of one home)."""
-        home = self.locate(lineage)
-        return self.cache(home if home is not None else rendezvous(lineage, self.urls))
+        """The cache of ``destination``: where it lives, else its rule's choice (a fetch
+        there then finds nothing, as it would in a fleet of one home)."""
+        return self.cache(self.destination(lineage))
 
     def destination(self, lineage: str, home: str | None = None) -> str:
         """The home ``lineage`` lives in, else the one it would be made in (``home``, or the
